@@ -1,0 +1,136 @@
+"""The GPU expert cache: one slot pool shared by all MoE layers (paper §3, §4.1).
+
+Each slot holds one complete (layer, expert) across every bank of the host pool. This file
+owns the slot memory and its sizing; ``residency.py`` keeps the LRU bookkeeping and
+``fill.py`` moves experts into slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from freetoken_sglang.config import FreeTokenConfig
+from freetoken_sglang.fill import Filler
+from freetoken_sglang.pool import GIB, HostExpertPool
+from freetoken_sglang.residency import ResidencyState
+
+logger = logging.getLogger(__name__)
+
+
+class CacheSizeError(ValueError):
+    """The requested cache cannot serve one MoE layer's worst case, or does not fit."""
+
+
+@dataclass(frozen=True)
+class CacheSize:
+    num_slots: int
+    reason: str
+
+
+def resolve_num_slots(
+    config: FreeTokenConfig,
+    pool: HostExpertPool,
+    min_slots: int,
+    min_slots_reason: str,
+    free_bytes: Optional[int],
+    slack_bytes: int = 0,
+) -> CacheSize:
+    """The number of slots the flags ask for, clamped to the pool size.
+
+    Args:
+        config: the flags.
+        pool: the host pool (its expert size and row count).
+        min_slots: the fewest slots that serve one layer call's worst case.
+        min_slots_reason: how ``min_slots`` was derived, for the error message.
+        free_bytes: free device memory now (None on the CPU: no automatic size).
+        slack_bytes: memory SGLang keeps back from the KV pool (``1 - mem_fraction_static``
+            of the memory before loading).
+
+    Raises:
+        CacheSizeError: the size is below ``min_slots``, or does not fit in ``free_bytes``.
+    """
+    per_slot = pool.expert_bytes
+    total = pool.num_rows
+    if config.cache_slots is not None:
+        slots, how = config.cache_slots, f"--freetoken-cache-slots {config.cache_slots}"
+    elif config.cache_ratio is not None:
+        slots = int(config.cache_ratio * total)
+        how = f"--freetoken-cache-ratio {config.cache_ratio} of {total} experts"
+    elif config.cache_gb is not None:
+        slots = int(config.cache_gb * GIB // per_slot)
+        how = f"--freetoken-cache-gb {config.cache_gb}"
+    else:
+        if free_bytes is None:
+            slots, how = total, "no size flag on a CPU device: every expert"
+        else:
+            budget = free_bytes - slack_bytes - int(config.kv_reserve_gb * GIB)
+            slots = max(0, budget // per_slot)
+            how = (
+                f"automatic: {free_bytes / GIB:.2f} GiB free - {slack_bytes / GIB:.2f} GiB "
+                f"runtime slack - {config.kv_reserve_gb:.2f} GiB kept for the KV pool "
+                "(--freetoken-kv-reserve-gb)"
+            )
+    slots = min(slots, total)
+    if slots < min_slots:
+        raise CacheSizeError(
+            f"the GPU expert cache ({how}) would hold {slots} slots, but at least "
+            f"{min_slots} are needed ({min_slots_reason}); that is "
+            f"{min_slots * per_slot / GIB:.2f} GiB. Ask for at least "
+            f"--freetoken-cache-slots {min_slots} (or the same as -gb / -ratio)."
+        )
+    if free_bytes is not None and slots * per_slot > free_bytes - slack_bytes:
+        raise CacheSizeError(
+            f"the GPU expert cache ({how}) needs {slots * per_slot / GIB:.2f} GiB but only "
+            f"{(free_bytes - slack_bytes) / GIB:.2f} GiB of GPU memory is free after the "
+            "weights and runtime slack; ask for a smaller cache"
+        )
+    return CacheSize(slots, how)
+
+
+class ExpertCache:
+    """The slot banks on the device, their residency state and their filler.
+
+    Args:
+        pool: the host pool (bank shapes and dtypes; source of fills).
+        num_slots: S.
+        device: the serving device.
+    """
+
+    def __init__(self, pool: HostExpertPool, num_slots: int, device):
+        self.pool = pool
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        self.slot_banks: Dict[str, torch.Tensor] = {
+            name: torch.zeros((num_slots, *spec.shape), dtype=spec.dtype, device=device)
+            for name, spec in pool.specs.items()
+        }
+        self.residency = ResidencyState(pool.num_rows, num_slots, device)
+        self.filler = Filler(pool.banks, pool.device_banks, self.slot_banks)
+        self.all_resident = num_slots >= pool.num_rows
+        if self.all_resident:
+            # Warm-up by construction: every expert is copied in once, never again.
+            self.filler.fill_all()
+            self.residency.make_all_resident()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.pool.expert_bytes
+
+    def reset(self) -> None:
+        """Forget every resident expert (after graph capture ran dummy batches). A cache that
+        holds every expert keeps them."""
+        if self.all_resident:
+            self.residency.make_all_resident()
+        else:
+            self.residency.reset()
+
+    def describe(self) -> str:
+        pct = 100.0 * self.num_slots / max(1, self.pool.num_rows)
+        return (
+            f"{self.num_slots} slots ({pct:.1f}% of the pool), {self.nbytes / GIB:.2f} GiB "
+            f"on {self.device}, fills by {self.filler.mode}"
+        )

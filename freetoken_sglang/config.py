@@ -1,0 +1,220 @@
+"""FreeToken's server flags: their argparse surface, validation and the ServerArgs they imply.
+
+Every flag is both a ``launch_server`` flag (``--freetoken-cache-ratio 0.25``) and an
+``sglang.Engine`` keyword (``freetoken_cache_ratio=0.25``), as SGLang's own flags are. The
+parsed values travel to the scheduler processes as one ``FreeTokenConfig`` attribute of
+``ServerArgs`` (``server_args.freetoken``), which pickles with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+logger = logging.getLogger(__name__)
+
+# ServerArgs attribute that carries the config to every process (None: FreeToken is off).
+SERVER_ARGS_ATTR = "freetoken"
+
+DEFAULT_KV_RESERVE_GB = 2.0
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
+@dataclass
+class FreeTokenConfig:
+    """The parsed ``--freetoken-*`` flags.
+
+    At most one of ``cache_gb``, ``cache_ratio`` and ``cache_slots`` is set; with none, the
+    cache takes the GPU memory left after the non-expert weights, SGLang's runtime slack
+    (``1 - mem_fraction_static``) and a KV pool of at least ``kv_reserve_gb``.
+    """
+
+    cache_gb: Optional[float] = field(
+        default=None,
+        metadata=dict(
+            type=_positive_float,
+            help="GPU expert cache size in GiB (rounded down to whole slots).",
+        ),
+    )
+    cache_ratio: Optional[float] = field(
+        default=None,
+        metadata=dict(
+            type=_positive_float,
+            help="GPU expert cache size as a fraction of the host expert pool "
+            "(0.25 = a quarter of all routed experts; 1 or more = every expert resident).",
+        ),
+    )
+    cache_slots: Optional[int] = field(
+        default=None,
+        metadata=dict(
+            type=_positive_int,
+            help="GPU expert cache size in slots (one slot = one (layer, expert)).",
+        ),
+    )
+    kv_reserve_gb: float = field(
+        default=DEFAULT_KV_RESERVE_GB,
+        metadata=dict(
+            type=_non_negative_float,
+            help="With no cache-size flag: GPU memory in GiB kept for the KV pool when the "
+            f"cache is sized automatically (default {DEFAULT_KV_RESERVE_GB}).",
+        ),
+    )
+
+    def size_flag(self) -> Optional[str]:
+        """The one cache-size flag given, as ``--flag value``, or None."""
+        for name in ("cache_gb", "cache_ratio", "cache_slots"):
+            value = getattr(self, name)
+            if value is not None:
+                return f"--freetoken-{name.replace('_', '-')} {value}"
+        return None
+
+
+def cli_name(field_name: str) -> str:
+    return "--freetoken-" + field_name.replace("_", "-")
+
+
+def kwarg_name(field_name: str) -> str:
+    return "freetoken_" + field_name
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--enable-freetoken`` and every ``--freetoken-*`` flag to SGLang's parser."""
+    group = parser.add_argument_group(
+        "FreeToken",
+        "Serve MoE models with routed experts in host memory and a GPU expert cache "
+        "(freetoken-sglang).",
+    )
+    group.add_argument(
+        "--enable-freetoken",
+        action="store_true",
+        default=False,
+        help="Keep every routed expert in host memory and serve it through a GPU expert "
+        "cache shared by all MoE layers.",
+    )
+    size = group.add_mutually_exclusive_group()
+    for f in dataclasses.fields(FreeTokenConfig):
+        target = size if f.name.startswith("cache_") else group
+        target.add_argument(
+            cli_name(f.name),
+            dest=kwarg_name(f.name),
+            type=f.metadata["type"],
+            default=f.default,
+            help=f.metadata["help"],
+        )
+
+
+def _validated(name: str, value: Any) -> Any:
+    """Check an Engine keyword value the way argparse checks the CLI flag."""
+    f = {f.name: f for f in dataclasses.fields(FreeTokenConfig)}[name]
+    if value is None:
+        return None
+    try:
+        return f.metadata["type"](str(value))
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"{kwarg_name(name)}={value!r}: {e}") from None
+
+
+def pop_config(kwargs: Dict[str, Any]) -> Optional[FreeTokenConfig]:
+    """Remove ``enable_freetoken`` and ``freetoken_*`` keys from ServerArgs keyword
+    arguments and return the config they describe (None when FreeToken is off).
+
+    Raises:
+        ValueError: an unknown ``freetoken_*`` keyword, a bad value, two cache-size
+            keywords, or ``freetoken_*`` keywords without ``enable_freetoken=True``.
+    """
+    enable = bool(kwargs.pop("enable_freetoken", False))
+    names = {kwarg_name(f.name): f.name for f in dataclasses.fields(FreeTokenConfig)}
+    given = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith("freetoken_")}
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ValueError(
+            f"unknown FreeToken option(s) {unknown}; known: {sorted(names)}"
+        )
+    values = {names[k]: _validated(names[k], v) for k, v in given.items()}
+    defaults = {f.name: f.default for f in dataclasses.fields(FreeTokenConfig)}
+    non_default = {k for k, v in values.items() if v != defaults[k]}
+    if not enable:
+        if non_default:
+            raise ValueError(
+                f"{sorted(kwarg_name(k) for k in non_default)} given without "
+                "enable_freetoken=True (--enable-freetoken); add it or drop them"
+            )
+        return None
+    sizes = [k for k in ("cache_gb", "cache_ratio", "cache_slots") if values.get(k)]
+    if len(sizes) > 1:
+        raise ValueError(
+            f"give at most one cache size, got {[kwarg_name(k) for k in sizes]}"
+        )
+    return FreeTokenConfig(**values)
+
+
+def apply_server_args_overrides(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """ServerArgs keyword changes the FreeToken mode needs, applied before SGLang's own
+    ``__post_init__`` sees them; each change is logged.
+
+    Raises:
+        ValueError: a ServerArgs value FreeToken cannot serve with, naming the fix.
+    """
+    problems = []
+    for name in ("tp_size", "pp_size", "dp_size", "ep_size"):
+        if (kwargs.get(name) or 1) != 1:
+            problems.append(f"--{name.replace('_', '-')} must be 1 (one GPU)")
+    if kwargs.get("quantization"):
+        problems.append(
+            f"--quantization {kwargs['quantization']} is not supported yet: FreeToken "
+            "serves BF16, FP16 and FP32 experts"
+        )
+    if kwargs.get("cpu_offload_gb"):
+        problems.append("--cpu-offload-gb cannot be combined with --enable-freetoken")
+    if kwargs.get("enable_eplb"):
+        problems.append("--enable-eplb is not supported")
+    if kwargs.get("speculative_algorithm"):
+        problems.append("speculative decoding is not supported yet")
+    backend = kwargs.get("moe_runner_backend") or "auto"
+    if backend not in ("auto", "triton"):
+        problems.append(
+            f"--moe-runner-backend {backend} is not supported: use auto or triton"
+        )
+    if kwargs.get("enable_lora"):
+        problems.append("--enable-lora is not supported")
+    if problems:
+        raise ValueError("--enable-freetoken: " + "; ".join(problems))
+    if not kwargs.get("disable_shared_experts_fusion"):
+        logger.info(
+            "FreeToken: setting disable_shared_experts_fusion=True so that shared "
+            "experts stay ordinary GPU-resident modules, outside the routed set"
+        )
+        kwargs["disable_shared_experts_fusion"] = True
+    return kwargs

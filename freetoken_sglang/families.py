@@ -1,0 +1,106 @@
+"""The model families FreeToken serves, and which of their layers are MoE layers.
+
+Each rule mirrors how SGLang 0.5.17's model class decides that a decoder layer builds a
+``FusedMoE`` (named per family below), so the host pool can be laid out before the first
+MoE layer is built. A model outside this table fails at start and names itself.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or format is not served by FreeToken yet."""
+
+
+def _all_layers(cfg) -> List[int]:
+    return list(range(cfg.num_hidden_layers))
+
+
+def _deepseek_layers(cfg) -> List[int]:
+    # DeepseekV2DecoderLayer._is_layer_sparse (models/deepseek_v2.py)
+    freq = getattr(cfg, "moe_layer_freq", 1) or 1
+    return [
+        i
+        for i in range(cfg.num_hidden_layers)
+        if cfg.n_routed_experts is not None
+        and i >= cfg.first_k_dense_replace
+        and i % freq == 0
+    ]
+
+
+def _glm4_moe_layers(cfg) -> List[int]:
+    # Glm4MoeDecoderLayer._is_layer_sparse (models/glm4_moe.py)
+    return [
+        i
+        for i in range(cfg.num_hidden_layers)
+        if cfg.n_routed_experts is not None and i >= cfg.first_k_dense_replace
+    ]
+
+
+def _num_experts(cfg) -> int:
+    for name in ("n_routed_experts", "num_experts", "num_local_experts"):
+        value = getattr(cfg, name, None)
+        if value:
+            return int(value)
+    raise UnsupportedModelError("the model config names no routed-expert count")
+
+
+# architecture -> (family, MoE layer rule). Qwen2-MoE and Qwen3-MoE make every layer
+# sparse in SGLang 0.5.17 (Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer), as do Mixtral and
+# OLMoE.
+SUPPORTED: Dict[str, tuple] = {
+    "Qwen3MoeForCausalLM": ("Qwen3-MoE", _all_layers),
+    "Qwen2MoeForCausalLM": ("Qwen2-MoE", _all_layers),
+    "MixtralForCausalLM": ("Mixtral", _all_layers),
+    "OlmoeForCausalLM": ("OLMoE", _all_layers),
+    "DeepseekV2ForCausalLM": ("DeepSeek-V2", _deepseek_layers),
+    "DeepseekV3ForCausalLM": ("DeepSeek-V3", _deepseek_layers),
+    "Glm4MoeForCausalLM": ("GLM-4-MoE", _glm4_moe_layers),
+}
+
+
+def family_of(hf_config) -> tuple:
+    """(family name, MoE layer rule) of the checkpoint.
+
+    Raises:
+        UnsupportedModelError: the architecture is not in ``SUPPORTED``, or the checkpoint is
+            quantized.
+    """
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in SUPPORTED:
+            break
+    else:
+        raise UnsupportedModelError(
+            f"--enable-freetoken does not support the architecture {archs or '(none)'} "
+            f"yet; supported: {', '.join(sorted(SUPPORTED))}"
+        )
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise UnsupportedModelError(
+            f"--enable-freetoken does not support quantized checkpoints yet "
+            f"({arch} with quantization {method!r}); serve a BF16, FP16 or FP32 "
+            "checkpoint"
+        )
+    return SUPPORTED[arch]
+
+
+def moe_layer_ids(hf_config) -> List[int]:
+    """The transformer layer ids that build a ``FusedMoE``, in order."""
+    _, rule = family_of(hf_config)
+    return rule(hf_config)
+
+
+def num_routed_experts(hf_config) -> int:
+    """E: routed experts per MoE layer."""
+    return _num_experts(hf_config)
+
+
+def top_k(hf_config) -> int:
+    return int(hf_config.num_experts_per_tok)
+
+
+LayerRule = Callable[[object], List[int]]

@@ -1,0 +1,75 @@
+"""Cache fills: copy experts from the host pool into GPU slots, as a FillPlan says (paper §4.1).
+
+Data movement only; ``residency.py`` decides what moves. Three ways, chosen once per cache:
+
+- ``uva``: the pool is pinned and mapped; one Triton kernel per bank reads the planned rows
+  straight from host memory through unified virtual addressing, with every index and the
+  count read on the device. No host sync, so CUDA graphs capture it.
+- ``staged``: the pool is pageable (pinning was refused). The plan is read back to the host
+  (a sync per layer) and each row is copied with ``copy_``. Not capturable.
+- ``local``: pool and cache share a device (the CPU-run SGLang of the tests). Read back and
+  copied like ``staged``; on the CPU the read-back costs nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from freetoken_sglang.residency import FillPlan
+
+
+class Filler:
+    """Carries out FillPlans for one pool/cache pair.
+
+    Args:
+        pool_banks: bank name -> host bank ``[L*E, ...]`` (the pool's own tensors).
+        device_pool_banks: bank name -> UVA alias of the pinned host bank, or empty when the
+            pool is not pinned.
+        slot_banks: bank name -> slot bank ``[S, ...]`` on the cache's device.
+    """
+
+    def __init__(
+        self,
+        pool_banks: Dict[str, torch.Tensor],
+        device_pool_banks: Dict[str, torch.Tensor],
+        slot_banks: Dict[str, torch.Tensor],
+    ):
+        self.pool_banks = pool_banks
+        self.slot_banks = slot_banks
+        self.device_pool_banks = device_pool_banks
+        device = next(iter(slot_banks.values())).device
+        if device.type == "cpu":
+            self.mode = "local"
+        elif device_pool_banks:
+            self.mode = "uva"
+        else:
+            self.mode = "staged"
+
+    @property
+    def graph_safe(self) -> bool:
+        return self.mode != "staged"
+
+    def run(self, plan: FillPlan) -> None:
+        """Copy pool row ``plan.src[i]`` into slot ``plan.dst[i]`` of every bank, for
+        ``i < plan.count[0]``."""
+        if self.mode == "uva":
+            from freetoken_sglang.kernels.fill import copy_rows
+
+            for name, slots in self.slot_banks.items():
+                copy_rows(self.device_pool_banks[name], slots, plan.src, plan.dst, plan.count)
+        else:
+            n = int(plan.count.item())
+            src = plan.src[:n].tolist()
+            dst = plan.dst[:n].tolist()
+            for name, slots in self.slot_banks.items():
+                pool = self.pool_banks[name]
+                for s, d in zip(src, dst):
+                    slots[d].copy_(pool[s], non_blocking=False)
+
+    def fill_all(self) -> None:
+        """Copy the whole pool into slots ``0 .. L*E-1`` (a cache that holds every expert)."""
+        for name, slots in self.slot_banks.items():
+            pool = self.pool_banks[name]
+            slots[: pool.shape[0]].copy_(pool, non_blocking=False)

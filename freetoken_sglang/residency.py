@@ -1,0 +1,185 @@
+"""Which (layer, expert) sits in which GPU slot: the LRU residency state and the per-layer
+decision, on the device with no host sync (paper §3.2, §4.1).
+
+Pure bookkeeping: no expert weight moves here. ``decide`` turns one MoE layer's routing into
+a fill plan (host pool row -> slot) that ``fill.py`` carries out, and updates the residency
+table, the slot owners, the LRU stamps and the counters in place. Every tensor has a shape
+fixed by the batch shape, and every routing-dependent count stays on the device, so CUDA
+graphs capture it.
+
+The state, shared by all MoE layers:
+    residency  int32 [L*E + 1]  slot of flat expert ``l*E + e``, or -1 (last entry: a sink)
+    owner      int32 [S + 1]    flat expert id held by each slot, or -1 (last entry: a sink)
+    stamp      int64 [S]        last-use time of each slot; -1 for a never-used slot
+    clock      int64 [1]        advanced once per layer call
+
+LRU order: the victim of a fill is the slot with the smallest ``stamp`` (ties: lowest
+slot), among slots not used by the current layer call. Experts used by the call are
+stamped with the new clock value before victims are chosen, so a slot used by the current
+step is never evicted by that same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class FillPlan:
+    """The fills one layer call needs: copy pool row ``src[i]`` into slot ``dst[i]`` for
+    ``i < count[0]``. Shapes are fixed (``[K]``, ``[K]``, ``[1]``, K = max unique experts of
+    the call); entries at or past ``count`` are unspecified."""
+
+    src: torch.Tensor  # int32 [K] flat expert ids l*E+e
+    dst: torch.Tensor  # int32 [K] slots
+    count: torch.Tensor  # int32 [1]
+
+
+class ResidencyState:
+    """The device-resident LRU state of the GPU expert cache (see the module docstring).
+
+    Args:
+        num_rows: L*E flat experts.
+        num_slots: S slots.
+        device: where the state lives (the cache's device).
+    """
+
+    def __init__(self, num_rows: int, num_slots: int, device):
+        self.num_rows = num_rows
+        self.num_slots = num_slots
+        i32 = dict(dtype=torch.int32, device=device)
+        self.residency = torch.full((num_rows + 1,), -1, **i32)
+        self.owner = torch.full((num_slots + 1,), -1, **i32)
+        self.stamp = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
+        self.clock = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def reset(self) -> None:
+        """Empty every slot (in place, keeping tensor addresses for captured graphs)."""
+        self.residency.fill_(-1)
+        self.owner.fill_(-1)
+        self.stamp.fill_(-1)
+        self.clock.zero_()
+
+    def make_all_resident(self) -> None:
+        """Slot ``i`` holds flat expert ``i`` for every expert (requires S >= L*E)."""
+        assert self.num_slots >= self.num_rows
+        ids = torch.arange(self.num_rows, dtype=torch.int32, device=self.owner.device)
+        self.reset()
+        self.residency[: self.num_rows] = ids
+        self.owner[: self.num_rows] = ids
+        self.stamp[: self.num_rows] = 0
+
+    def layer_slots(self, ordinal: int, num_experts: int) -> torch.Tensor:
+        """int32 [E] view: slot of each expert of MoE layer ``ordinal`` (or -1)."""
+        base = ordinal * num_experts
+        return self.residency[base : base + num_experts]
+
+
+def max_unique_experts(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """K: the most distinct experts one layer call over ``num_tokens`` rows can route to."""
+    return max(1, min(num_experts, num_tokens * top_k))
+
+
+def used_experts(
+    topk_ids: torch.Tensor, num_valid: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """bool [E]: experts routed to by a valid row. Rows at or past ``num_valid[0]`` (batch
+    padding of a captured graph) are ignored.
+
+    Args:
+        topk_ids: int [T, k] local expert ids of the layer.
+        num_valid: int [1] on the same device: the number of real rows.
+    """
+    t, k = topk_ids.shape
+    rows = torch.arange(t, device=topk_ids.device).unsqueeze(1)
+    valid = rows < num_valid.to(rows.dtype)
+    ids = torch.where(valid, topk_ids.long(), num_experts).reshape(-1)
+    used = torch.zeros(num_experts + 1, dtype=torch.int32, device=topk_ids.device)
+    used.index_fill_(0, ids, 1)
+    return used[:num_experts].bool()
+
+
+def decide(
+    state: ResidencyState,
+    counters: "torch.Tensor",
+    ordinal: int,
+    num_experts: int,
+    topk_ids: torch.Tensor,
+    num_valid: torch.Tensor,
+) -> FillPlan:
+    """Classify one MoE layer call's routed experts as hits or misses, choose LRU victims for
+    the misses, update the state, and return the fills (torch reference; the CUDA path runs
+    the same algorithm in one Triton kernel, ``kernels/residency.py``).
+
+    Args:
+        state: the shared residency state.
+        counters: int64 [4, L] per-layer counters (reads, hits, fills, evictions), updated
+            in place (``stats.py``).
+        ordinal: the layer's MoE ordinal ``l``.
+        num_experts: E.
+        topk_ids: int [T, k] local expert ids routed to by each row.
+        num_valid: int [1] number of real rows (the rest is graph padding).
+
+    Returns:
+        The FillPlan of ``K = max_unique_experts(T, k, E)`` entries.
+
+    Every routed expert of a valid row is resident when this returns. The caller must size
+    the cache with ``S >= K`` (``cache.py`` checks this at start).
+    """
+    device = topk_ids.device
+    S = state.num_slots
+    E = num_experts
+    K = max_unique_experts(topk_ids.shape[0], topk_ids.shape[1], E)
+    base = ordinal * E
+
+    used = used_experts(topk_ids, num_valid, E)
+    layer_res = state.layer_slots(ordinal, E)
+    hit = used & (layer_res >= 0)
+    miss = used & (layer_res < 0)
+
+    state.clock.add_(1)
+    now = state.clock  # [1]
+
+    # Stamp the hits first, so that no slot used by this call can be a victim.
+    hit_slot = torch.where(hit, layer_res, S).long()
+    stamp_ext = torch.cat([state.stamp, state.stamp.new_zeros(1)])
+    stamp_ext.index_copy_(0, hit_slot, now.expand_as(hit_slot))
+    state.stamp.copy_(stamp_ext[:S])
+
+    # The K least recently used slots, oldest first (ties: lowest slot).
+    key = state.stamp * S + torch.arange(S, device=device)
+    cand = torch.topk(key, min(K, S), largest=False, sorted=True).indices
+
+    # The i-th miss (in expert order) takes the i-th candidate.
+    rank = torch.cumsum(miss.int(), 0) - 1
+    victim = cand[rank.clamp(0, cand.numel() - 1)]
+    victim = torch.where(miss, victim, S).int()  # S: the owner table's sink entry
+    old = state.owner[victim.long()]
+    evicted = miss & (old >= 0)
+    sink_row = state.num_rows
+    state.residency.index_fill_(0, torch.where(evicted, old, sink_row).long(), -1)
+    flat = torch.arange(base, base + E, device=device, dtype=torch.int32)
+    state.residency[base : base + E] = torch.where(miss, victim, layer_res)
+    state.owner.index_copy_(0, victim.long(), torch.where(miss, flat, -1))
+    state.residency[sink_row] = -1
+    state.owner[S] = -1
+    stamp_ext = torch.cat([state.stamp, state.stamp.new_zeros(1)])
+    stamp_ext.index_copy_(0, victim.long(), now.expand(E))
+    state.stamp.copy_(stamp_ext[:S])
+
+    # Fill list: compact the misses to the front, in expert order.
+    pos = torch.where(miss, rank, K).long()
+    src = torch.zeros(K + 1, dtype=torch.int32, device=device)
+    dst = torch.zeros(K + 1, dtype=torch.int32, device=device)
+    src.index_copy_(0, pos, flat)
+    dst.index_copy_(0, pos, victim)
+    count = miss.sum().int().reshape(1)
+
+    n_used = used.sum()
+    n_hit = hit.sum()
+    n_miss = count[0].long()
+    n_evict = evicted.sum()
+    counters[:, ordinal] += torch.stack([n_used, n_hit, n_miss, n_evict]).long()
+    return FillPlan(src=src[:K], dst=dst[:K], count=count)

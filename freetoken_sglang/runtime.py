@@ -1,0 +1,206 @@
+"""The per-process FreeToken runtime: the pool, the cache and the counters of one scheduler.
+
+Created when SGLang's ``ModelRunner`` starts loading a model with ``--enable-freetoken``
+(``patches/model_runner.py``); the MoE layers built during that load register with it, and
+``finish_load`` pins the pool and allocates the cache before SGLang sizes its KV pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from freetoken_sglang import families
+from freetoken_sglang.cache import ExpertCache, resolve_num_slots
+from freetoken_sglang.config import SERVER_ARGS_ATTR, FreeTokenConfig
+from freetoken_sglang.pool import GIB, BankSpec, HostExpertPool, pool_fits_host
+from freetoken_sglang.stats import ExpertCounters
+
+logger = logging.getLogger(__name__)
+
+_RUNTIME: Optional["FreeTokenRuntime"] = None
+
+
+def get_runtime() -> Optional["FreeTokenRuntime"]:
+    """The runtime of this process, or None when FreeToken is not serving here."""
+    return _RUNTIME
+
+
+def config_of(server_args) -> Optional[FreeTokenConfig]:
+    """The FreeToken config carried by ``server_args`` (None: FreeToken is off)."""
+    return getattr(server_args, SERVER_ARGS_ATTR, None)
+
+
+class FreeTokenRuntime:
+    """Pool, cache, counters and per-step shared tensors of one model runner.
+
+    Args:
+        config: the parsed flags.
+        model_runner: SGLang's ``ModelRunner`` about to load the model.
+
+    Raises:
+        UnsupportedModelError: the architecture or checkpoint format is not supported.
+    """
+
+    def __init__(self, config: FreeTokenConfig, model_runner):
+        self.config = config
+        self.server_args = model_runner.server_args
+        hf_config = model_runner.model_config.hf_config
+        self.family, _ = families.family_of(hf_config)
+        self.moe_layer_ids = families.moe_layer_ids(hf_config)
+        self.num_experts = families.num_routed_experts(hf_config)
+        self.top_k = families.top_k(hf_config)
+        device = model_runner.device
+        if device == "cuda":
+            device = f"cuda:{torch.cuda.current_device()}"
+        self.device = torch.device(device)
+        self.pool: Optional[HostExpertPool] = None
+        self.cache: Optional[ExpertCache] = None
+        self.counters: Optional[ExpertCounters] = None
+        self.layers: Dict[int, object] = {}
+        # Real rows of the current forward; rows past it are graph padding.
+        self.num_valid = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.load_report: Dict[str, float] = {}
+
+    # ---- model build --------------------------------------------------------------------
+    def pool_for_layer(self, layer, num_experts: int, specs: Dict[str, BankSpec]) -> HostExpertPool:
+        """The pool, allocated on the first MoE layer; later layers must match its banks.
+
+        Raises:
+            UnsupportedModelError: a layer that is not an MoE layer of the family rule, or
+                whose expert shapes differ from the first layer's.
+        """
+        if layer.layer_id not in self.moe_layer_ids:
+            raise families.UnsupportedModelError(
+                f"{self.family}: layer {layer.layer_id} built a FusedMoE, but the family "
+                f"rule lists MoE layers {self.moe_layer_ids}"
+            )
+        if self.pool is None:
+            if num_experts != self.num_experts:
+                raise families.UnsupportedModelError(
+                    f"{self.family}: FusedMoE has {num_experts} experts but the config "
+                    f"says {self.num_experts}"
+                )
+            self.pool = HostExpertPool(self.moe_layer_ids, num_experts, specs)
+            problem = pool_fits_host(self.pool.nbytes)
+            if problem:
+                raise MemoryError(f"--enable-freetoken: {problem}")
+            logger.info("FreeToken: host expert pool %s", self.pool.describe())
+        elif specs != self.pool.specs or num_experts != self.pool.num_experts:
+            raise families.UnsupportedModelError(
+                f"{self.family}: MoE layer {layer.layer_id} has expert shapes {specs}, "
+                f"unlike the first MoE layer's {self.pool.specs}"
+            )
+        return self.pool
+
+    def register_layer(self, layer, method) -> None:
+        self.layers[layer.layer_id] = method
+
+    def finish_load(self, model_runner, load_seconds: float, peak_load_bytes: int) -> None:
+        """Pin the pool, size and allocate the cache, and log what was built.
+
+        Raises:
+            UnsupportedModelError: not every MoE layer was built through FreeToken.
+            CacheSizeError: the cache cannot serve one layer call, or does not fit.
+        """
+        built = sorted(self.layers)
+        if built != self.moe_layer_ids or self.pool is None:
+            raise families.UnsupportedModelError(
+                f"{self.family}: FreeToken served the MoE layers {built}, but the model "
+                f"has MoE layers {self.moe_layer_ids}"
+            )
+        t0 = time.perf_counter()
+        pinned = self.pool.pin() if self.device.type == "cuda" else False
+        pin_s = time.perf_counter() - t0
+
+        sa = model_runner.server_args
+        max_tokens = max(sa.max_prefill_tokens or 0, sa.chunked_prefill_size or 0, 1)
+        min_slots = min(self.num_experts, max_tokens * self.top_k)
+        reason = (
+            f"one MoE layer's worst case: min(E={self.num_experts}, max tokens per "
+            f"forward {max_tokens} x top-k {self.top_k})"
+        )
+        free_bytes = slack = None
+        if self.device.type == "cuda":
+            free_bytes = torch.cuda.mem_get_info(self.device)[0]
+            before_gb = getattr(model_runner, "pre_model_load_memory", None)
+            if before_gb is None:
+                before_gb = torch.cuda.get_device_properties(self.device).total_memory / GIB
+            slack = int(before_gb * GIB * (1 - sa.mem_fraction_static))
+        size = resolve_num_slots(
+            self.config, self.pool, min_slots, reason, free_bytes, slack or 0
+        )
+        t1 = time.perf_counter()
+        self.cache = ExpertCache(self.pool, size.num_slots, self.device)
+        self.counters = ExpertCounters(self.moe_layer_ids, self.device)
+        alloc_s = time.perf_counter() - t1
+        self.load_report = {
+            "load_seconds": load_seconds,
+            "pin_seconds": pin_s,
+            "cache_alloc_seconds": alloc_s,
+            "peak_gpu_bytes_during_load": peak_load_bytes,
+            "pool_bytes": self.pool.nbytes,
+            "cache_bytes": self.cache.nbytes,
+            "pinned": pinned,
+        }
+        logger.info(
+            "FreeToken: %s, routed experts in host memory (%s); GPU expert cache: %s "
+            "(size: %s). Peak GPU memory during load: %.2f GiB; pinning took %.2f s.",
+            self.family,
+            self.pool.describe(),
+            self.cache.describe(),
+            size.reason,
+            peak_load_bytes / GIB,
+            pin_s,
+        )
+
+    # ---- serving ------------------------------------------------------------------------
+    def set_num_valid(self, num_tokens: int) -> None:
+        """Record the real rows of the forward about to run (no host sync)."""
+        self.num_valid.fill_(num_tokens)
+
+    def reset_cache(self) -> None:
+        """Empty the cache and zero the counters (after graph capture ran dummy batches)."""
+        if self.cache is not None:
+            self.cache.reset()
+        if self.counters is not None:
+            self.counters.reset()
+
+    def stats(self) -> Dict[str, object]:
+        """The ``/freetoken/stats`` document."""
+        out: Dict[str, object] = {
+            "family": self.family,
+            "num_moe_layers": len(self.moe_layer_ids),
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+        }
+        if self.pool is not None:
+            out["pool"] = {
+                "experts": self.pool.num_rows,
+                "expert_bytes": self.pool.expert_bytes,
+                "bytes": self.pool.nbytes,
+                "pinned": self.pool.pinned,
+            }
+        if self.cache is not None:
+            out["cache"] = {
+                "slots": self.cache.num_slots,
+                "bytes": self.cache.nbytes,
+                "fill_mode": self.cache.filler.mode,
+                "all_resident": self.cache.all_resident,
+            }
+        if self.counters is not None:
+            out.update(self.counters.snapshot())
+        out["load"] = dict(self.load_report)
+        return out
+
+
+def start(config: FreeTokenConfig, model_runner) -> FreeTokenRuntime:
+    """Create this process's runtime for ``model_runner`` (replacing any earlier one)."""
+    global _RUNTIME
+    _RUNTIME = FreeTokenRuntime(config, model_runner)
+    return _RUNTIME
+
+

@@ -1,0 +1,150 @@
+"""Run SGLang's own fused-MoE computation over the GPU slot banks instead of a layer's
+``[E, ...]`` weights, so the routed-expert math is exactly what stock SGLang computes.
+
+On CUDA this is the Triton runner's sequence (``fused_experts_impl`` in SGLang 0.5.17's
+``moe_runner/triton_utils/fused_moe.py``): the token alignment is computed over the layer's
+E local expert ids, exactly as stock SGLang computes it (same blocks, same kernel config),
+and only the per-block expert ids are rewritten to slot ids before the two grouped GEMMs.
+On the CPU it is SGLang's ``moe_forward_native`` over the slot banks.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Dict
+
+import torch
+
+
+def _rows_for_padding(topk_ids: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
+    """Routing with padded rows (at or past ``num_valid[0]``) given row 0's experts, which
+    are resident: padded rows then compute harmless values that the caller discards."""
+    rows = torch.arange(topk_ids.shape[0], device=topk_ids.device).unsqueeze(1)
+    return torch.where(rows < num_valid.to(rows.dtype), topk_ids, topk_ids[:1])
+
+
+def run_on_slots_triton(
+    layer,
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    layer_slots: torch.Tensor,
+    num_valid: torch.Tensor,
+    slot_banks: Dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """The layer's routed-expert output, computed from the slots (CUDA).
+
+    Args:
+        layer: the ``FusedMoE`` (its ``moe_runner_config`` and ``[E, ...]`` host-pool
+            parameters, whose shapes select the kernel config as in stock SGLang).
+        hidden_states: ``[T, H]`` activations.
+        topk_weights: fp32 ``[T, k]`` router weights.
+        topk_ids: int ``[T, k]`` local expert ids.
+        layer_slots: int32 ``[E]`` slot of each local expert (every routed expert of a valid
+            row is resident).
+        num_valid: int ``[1]`` real rows.
+        slot_banks: ``w13_weight [S, 2I, H]``, ``w2_weight [S, H, I]`` and optional biases.
+
+    Returns:
+        ``[T, H]`` (``hidden_states`` itself when the runner config is in place).
+    """
+    from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import (
+        _fused_moe_kernel_sequence,
+        _prepare_fused_moe_run,
+    )
+
+    cfg = layer.moe_runner_config
+    ids = _rows_for_padding(topk_ids, num_valid)
+    (
+        config,
+        down_config,
+        down_moe_use_tma,
+        sorted_token_ids,
+        expert_ids,
+        num_tokens_post_padded,
+    ) = _prepare_fused_moe_run(
+        hidden_states,
+        layer.w13_weight,  # shapes only: [E, 2I, H], as stock SGLang sees them
+        layer.w2_weight,
+        ids,
+        use_fp8_w8a8=False,
+        use_int8_w8a8=False,
+        use_int8_w8a16=False,
+        use_int4_w4a16=False,
+        per_channel_quant=False,
+        block_shape=None,
+    )
+    num_experts = layer_slots.shape[0]
+    slot_ids = layer_slots[expert_ids.clamp(0, num_experts - 1).long()]
+    slot_ids = torch.where(expert_ids >= 0, slot_ids.clamp(min=0), expert_ids)
+    filter_expert = cfg.num_experts is None or cfg.num_experts != cfg.num_local_experts
+    return _fused_moe_kernel_sequence(
+        hidden_states,
+        slot_banks["w13_weight"],
+        slot_banks["w2_weight"],
+        topk_weights,
+        ids,
+        sorted_token_ids,
+        slot_ids.to(expert_ids.dtype),
+        num_tokens_post_padded,
+        config,
+        down_config,
+        down_moe_use_tma,
+        b1=slot_banks.get("w13_weight_bias"),
+        b2=slot_banks.get("w2_weight_bias"),
+        use_fp8_w8a8=False,
+        use_int8_w8a8=False,
+        use_int8_w8a16=False,
+        use_int4_w4a16=False,
+        per_channel_quant=False,
+        w1_scale=None,
+        w2_scale=None,
+        w1_zp=None,
+        w2_zp=None,
+        a1_scale=None,
+        a2_scale=None,
+        block_shape=None,
+        activation=cfg.activation,
+        is_gated=cfg.is_gated,
+        no_combine=cfg.no_combine,
+        inplace=cfg.inplace,
+        apply_router_weight_on_input=cfg.apply_router_weight_on_input,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        gemm1_alpha=cfg.gemm1_alpha,
+        gemm1_limit=cfg.gemm1_clamp_limit,
+        filter_expert=filter_expert,
+        hooks=None,
+        swiglu_limit=cfg.swiglu_limit,
+        gate_up_interleaved=cfg.gate_up_interleaved,
+    )
+
+
+def run_on_slots_native(
+    layer,
+    hidden_states: torch.Tensor,
+    topk_output,
+    layer_slots: torch.Tensor,
+    num_valid: torch.Tensor,
+    slot_banks: Dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """The layer's routed-expert output from the slots, with SGLang's native torch MoE (the
+    CPU path of ``UnquantizedFusedMoEMethod.forward_cpu``). Shapes as in
+    ``run_on_slots_triton``."""
+    from sglang.srt.layers.moe.fused_moe_native import moe_forward_native
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    ids = _rows_for_padding(topk_output.topk_ids, num_valid)
+    slot_ids = layer_slots[ids.long()].clamp(min=0).to(topk_output.topk_ids.dtype)
+    slots_layer = SimpleNamespace(
+        num_experts=slot_banks["w13_weight"].shape[0],
+        w13_weight=slot_banks["w13_weight"],
+        w2_weight=slot_banks["w2_weight"],
+        w13_weight_bias=slot_banks.get("w13_weight_bias"),
+        w2_weight_bias=slot_banks.get("w2_weight_bias"),
+    )
+    return moe_forward_native(
+        slots_layer,
+        hidden_states,
+        StandardTopKOutput(topk_output.topk_weights, slot_ids, topk_output.router_logits),
+        layer.moe_runner_config,
+    )

@@ -1,0 +1,44 @@
+"""Hooks into SGLang 0.5.17's HTTP server (``sglang.srt.entrypoints.http_server``).
+
+- ``http_server.launch_server`` (before): adds ``GET /freetoken/stats`` to SGLang's FastAPI
+  ``app`` when the server runs with ``--enable-freetoken``. The route reads the scheduler's
+  counters through SGLang's own ``get_internal_state`` round trip.
+"""
+
+from __future__ import annotations
+
+from freetoken_sglang.patches import Hook
+
+ROUTE = "/freetoken/stats"
+
+
+async def freetoken_stats():
+    """JSON: per MoE layer and in total, routed expert reads, hits, fills and evictions,
+    plus the pool and cache sizes (one entry per data-parallel rank under ``ranks``)."""
+    from fastapi.responses import JSONResponse
+    from sglang.srt.entrypoints import http_server
+
+    states = await http_server.get_global_state().tokenizer_manager.get_internal_state()
+    ranks = [s.get("freetoken") for s in states if isinstance(s, dict)]
+    ranks = [r for r in ranks if r is not None]
+    if not ranks:
+        return JSONResponse({"error": "FreeToken is not serving"}, status_code=404)
+    body = dict(ranks[0])
+    body["ranks"] = ranks
+    return JSONResponse(body)
+
+
+def launch_server(server_args, *args, **kwargs):
+    from freetoken_sglang.runtime import config_of
+    from sglang.srt.entrypoints.http_server import app
+
+    if config_of(server_args) is None:
+        return None
+    if not any(getattr(r, "path", None) == ROUTE for r in app.routes):
+        app.add_api_route(ROUTE, freetoken_stats, methods=["GET"])
+    return None
+
+
+HOOKS = [
+    Hook("sglang.srt.entrypoints.http_server.launch_server", launch_server, "before"),
+]

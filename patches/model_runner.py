@@ -1,0 +1,71 @@
+"""Hooks into SGLang 0.5.17's ``sglang.srt.model_executor.model_runner.ModelRunner``.
+
+- ``ModelRunner.load_model`` (around): starts the FreeToken runtime before the model is
+  built (so MoE layers load into the host pool), then pins the pool and allocates the GPU
+  expert cache, before SGLang sizes its KV pool from the memory left. Peak GPU memory during
+  the load is measured and logged.
+- ``ModelRunner._forward_raw`` (before): records how many rows of the batch are real, on the
+  device, so that captured graphs mask their padding out of the cache's recency.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from freetoken_sglang.patches import Hook
+
+logger = logging.getLogger(__name__)
+
+
+def load_model(original, self, *args, **kwargs):
+    from freetoken_sglang import runtime
+
+    cfg = runtime.config_of(self.server_args)
+    if cfg is None:
+        return original(self, *args, **kwargs)
+    from freetoken_sglang.plugin import check_hooks_applied
+
+    check_hooks_applied()
+    rt = runtime.start(cfg, self)
+    on_cuda = rt.device.type == "cuda"
+    if on_cuda:
+        torch.cuda.synchronize(rt.device)
+        torch.cuda.reset_peak_memory_stats(rt.device)
+        base = torch.cuda.memory_allocated(rt.device)
+    t0 = time.perf_counter()
+    result = original(self, *args, **kwargs)
+    load_s = time.perf_counter() - t0
+    peak = 0
+    if on_cuda:
+        torch.cuda.synchronize(rt.device)
+        peak = torch.cuda.max_memory_allocated(rt.device) - base
+    rt.finish_load(self, load_s, peak)
+    return result
+
+
+def forward_raw(self, forward_batch, *args, **kwargs):
+    from freetoken_sglang.runtime import get_runtime
+
+    rt = get_runtime()
+    if rt is not None and rt.cache is not None:
+        ids = forward_batch.input_ids
+        n = ids.shape[0] if ids is not None else forward_batch.positions.shape[0]
+        rt.set_num_valid(n)
+    return None
+
+
+HOOKS = [
+    Hook(
+        "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
+        load_model,
+        "around",
+    ),
+    Hook(
+        "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw",
+        forward_raw,
+        "before",
+    ),
+]

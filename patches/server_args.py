@@ -1,0 +1,62 @@
+"""Hooks into SGLang 0.5.17's ``sglang.srt.server_args.ServerArgs``: the FreeToken flags.
+
+- ``ServerArgs.add_cli_args`` (after): adds ``--enable-freetoken`` and ``--freetoken-*``.
+- ``ServerArgs.from_cli_args`` (around): carries the parsed flags, which are not dataclass
+  fields, into the constructor.
+- ``ServerArgs.__init__`` (around): takes ``enable_freetoken`` / ``freetoken_*`` keywords
+  (so ``sglang.Engine(enable_freetoken=True, freetoken_cache_ratio=0.25)`` works), applies
+  the ServerArgs changes the mode needs before SGLang's ``__post_init__``, and stores the
+  config as ``server_args.freetoken`` (pickled with it to the scheduler processes).
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+from freetoken_sglang import config as ft_config
+from freetoken_sglang.patches import Hook
+
+_cli_flags: contextvars.ContextVar = contextvars.ContextVar(
+    "freetoken_cli_flags", default=None
+)
+
+
+def add_cli_args(result, parser):
+    ft_config.add_cli_args(parser)
+
+
+def from_cli_args(original, cls, args):
+    flags = {
+        k: v
+        for k, v in vars(args).items()
+        if k == "enable_freetoken" or k.startswith("freetoken_")
+    }
+    token = _cli_flags.set(flags)
+    try:
+        return original(cls, args)
+    finally:
+        _cli_flags.reset(token)
+
+
+def server_args_init(original, self, *args, **kwargs):
+    pending = _cli_flags.get()
+    if pending is not None:
+        _cli_flags.set(None)  # once: a nested ServerArgs must not inherit the CLI flags
+        kwargs.update(pending)
+    cfg = ft_config.pop_config(kwargs)
+    if cfg is not None:
+        from freetoken_sglang.plugin import check_hooks_applied
+
+        check_hooks_applied()
+        kwargs = ft_config.apply_server_args_overrides(kwargs)
+    original(self, *args, **kwargs)
+    # ServerArgs is read-only once resolved; the config is an extension attribute, not a
+    # resolved SGLang field, so it is set past that guard.
+    object.__setattr__(self, ft_config.SERVER_ARGS_ATTR, cfg)
+
+
+HOOKS = [
+    Hook("sglang.srt.server_args.ServerArgs.add_cli_args", add_cli_args, "after"),
+    Hook("sglang.srt.server_args.ServerArgs.from_cli_args", from_cli_args, "around"),
+    Hook("sglang.srt.server_args.ServerArgs.__init__", server_args_init, "around"),
+]
