@@ -10,13 +10,14 @@ graphs capture it.
 The state, shared by all MoE layers:
     residency  int32 [L*E + 1]  slot of flat expert ``l*E + e``, or -1 (last entry: a sink)
     owner      int32 [S + 1]    flat expert id held by each slot, or -1 (last entry: a sink)
-    stamp      int64 [S]        last-use time of each slot; -1 for a never-used slot
+    key        int64 [S]        LRU key of each slot: ``stamp * S + slot``, where ``stamp`` is
+                                the clock value of its last use (-1: never used)
     clock      int64 [1]        advanced once per layer call
 
-LRU order: the victim of a fill is the slot with the smallest ``stamp`` (ties: lowest
-slot), among slots not used by the current layer call. Experts used by the call are
-stamped with the new clock value before victims are chosen, so a slot used by the current
-step is never evicted by that same step.
+LRU order: the victims of a call's fills are the slots with the smallest keys, i.e. the
+least recently used, ties broken by the lowest slot. Experts used by the call are stamped
+with the new clock value before victims are chosen, so a slot used by the current step is
+never evicted by that same step. Keys are unique, so the order is the same on every device.
 """
 
 from __future__ import annotations
@@ -52,14 +53,20 @@ class ResidencyState:
         i32 = dict(dtype=torch.int32, device=device)
         self.residency = torch.full((num_rows + 1,), -1, **i32)
         self.owner = torch.full((num_slots + 1,), -1, **i32)
-        self.stamp = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
+        self.slots = torch.arange(num_slots, dtype=torch.int64, device=device)
+        self.key = self.slots - num_slots
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
+
+    @property
+    def stamp(self) -> torch.Tensor:
+        """int64 [S]: last-use clock value of each slot (-1: never used)."""
+        return torch.div(self.key, self.num_slots, rounding_mode="floor")
 
     def reset(self) -> None:
         """Empty every slot (in place, keeping tensor addresses for captured graphs)."""
         self.residency.fill_(-1)
         self.owner.fill_(-1)
-        self.stamp.fill_(-1)
+        torch.sub(self.slots, self.num_slots, out=self.key)
         self.clock.zero_()
 
     def make_all_resident(self) -> None:
@@ -69,7 +76,7 @@ class ResidencyState:
         self.reset()
         self.residency[: self.num_rows] = ids
         self.owner[: self.num_rows] = ids
-        self.stamp[: self.num_rows] = 0
+        self.key[: self.num_rows] = self.slots[: self.num_rows]  # stamp 0
 
     def layer_slots(self, ordinal: int, num_experts: int) -> torch.Tensor:
         """int32 [E] view: slot of each expert of MoE layer ``ordinal`` (or -1)."""
@@ -103,15 +110,14 @@ def used_experts(
 
 def decide(
     state: ResidencyState,
-    counters: "torch.Tensor",
+    counters: torch.Tensor,
     ordinal: int,
     num_experts: int,
     topk_ids: torch.Tensor,
     num_valid: torch.Tensor,
 ) -> FillPlan:
     """Classify one MoE layer call's routed experts as hits or misses, choose LRU victims for
-    the misses, update the state, and return the fills (torch reference; the CUDA path runs
-    the same algorithm in one Triton kernel, ``kernels/residency.py``).
+    the misses, update the state, and return the fills.
 
     Args:
         state: the shared residency state.
@@ -125,9 +131,27 @@ def decide(
     Returns:
         The FillPlan of ``K = max_unique_experts(T, k, E)`` entries.
 
-    Every routed expert of a valid row is resident when this returns. The caller must size
-    the cache with ``S >= K`` (``cache.py`` checks this at start).
+    On CUDA this runs two single-program Triton kernels around one ``torch.topk``
+    (``kernels/residency.py``); elsewhere the torch reference below. Both give identical
+    results. Every routed expert of a valid row is resident when this returns; the cache
+    must have ``S >= K`` slots (``cache.py`` checks this at start).
     """
+    if topk_ids.is_cuda:
+        from freetoken_sglang.kernels.residency import decide_triton
+
+        return decide_triton(state, counters, ordinal, num_experts, topk_ids, num_valid)
+    return decide_reference(state, counters, ordinal, num_experts, topk_ids, num_valid)
+
+
+def decide_reference(
+    state: ResidencyState,
+    counters: torch.Tensor,
+    ordinal: int,
+    num_experts: int,
+    topk_ids: torch.Tensor,
+    num_valid: torch.Tensor,
+) -> FillPlan:
+    """``decide`` in plain torch ops (the CPU path and the kernels' reference)."""
     device = topk_ids.device
     S = state.num_slots
     E = num_experts
@@ -144,13 +168,12 @@ def decide(
 
     # Stamp the hits first, so that no slot used by this call can be a victim.
     hit_slot = torch.where(hit, layer_res, S).long()
-    stamp_ext = torch.cat([state.stamp, state.stamp.new_zeros(1)])
-    stamp_ext.index_copy_(0, hit_slot, now.expand_as(hit_slot))
-    state.stamp.copy_(stamp_ext[:S])
+    key_ext = torch.cat([state.key, state.key.new_zeros(1)])
+    key_ext.index_copy_(0, hit_slot, now * S + hit_slot)
+    state.key.copy_(key_ext[:S])
 
-    # The K least recently used slots, oldest first (ties: lowest slot).
-    key = state.stamp * S + torch.arange(S, device=device)
-    cand = torch.topk(key, min(K, S), largest=False, sorted=True).indices
+    # The K least recently used slots, oldest first (keys are unique).
+    cand = torch.topk(state.key, min(K, S), largest=False, sorted=True).indices
 
     # The i-th miss (in expert order) takes the i-th candidate.
     rank = torch.cumsum(miss.int(), 0) - 1
@@ -165,9 +188,9 @@ def decide(
     state.owner.index_copy_(0, victim.long(), torch.where(miss, flat, -1))
     state.residency[sink_row] = -1
     state.owner[S] = -1
-    stamp_ext = torch.cat([state.stamp, state.stamp.new_zeros(1)])
-    stamp_ext.index_copy_(0, victim.long(), now.expand(E))
-    state.stamp.copy_(stamp_ext[:S])
+    key_ext = torch.cat([state.key, state.key.new_zeros(1)])
+    key_ext.index_copy_(0, victim.long(), now * S + victim.long())
+    state.key.copy_(key_ext[:S])
 
     # Fill list: compact the misses to the front, in expert order.
     pos = torch.where(miss, rank, K).long()

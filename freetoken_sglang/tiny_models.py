@@ -87,7 +87,7 @@ class TinyShape:
     num_kv_heads: int = 2
     head_dim: int = 16
     vocab_size: int = 384
-    init_std: float = 0.05
+    init_std: float = 0.2
 
 
 def _train_tokenizer(vocab_size: int):

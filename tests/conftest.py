@@ -1,0 +1,37 @@
+"""Test set-up: SGLang runs on the CPU (DEVELOPERS.md recipe) with the stand-in sgl_kernel,
+and tiny random checkpoints are built once per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Must precede any sglang / triton import in this process.
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+for p in (os.path.join(HERE, "stubs"), HERE):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_dir):
+    """build(family, **shape) -> path of a tiny random checkpoint (cached per session)."""
+    from freetoken_sglang.tiny_models import TinyShape, build_tiny_checkpoint
+
+    def build(family: str, dtype: str = "float32", **shape):
+        name = family + "".join(f"-{k}{v}" for k, v in sorted(shape.items())) + f"-{dtype}"
+        return build_tiny_checkpoint(
+            family, str(tiny_dir / name), shape=TinyShape(**shape), dtype=dtype
+        )
+
+    return build

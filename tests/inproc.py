@@ -1,0 +1,114 @@
+"""Load a model with FreeToken inside this process through SGLang's own ``ModelRunner``
+(``sglang.benchmark.one_batch.load_model``), for tests that inspect the host pool directly.
+
+Run as ``python tests/inproc.py CHECK MODEL_PATH [JSON_KWARGS]``; prints one JSON line. Each
+check runs in its own process because SGLang's runtime context is process-global.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.join(HERE, "stubs"))
+
+
+def load_model_runner(model_path: str, **server_kwargs):
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.benchmark.one_batch import load_model
+    from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import PortArgs, ServerArgs
+
+    kwargs = dict(
+        model_path=model_path,
+        device="cpu",
+        attention_backend="torch_native",
+        sampling_backend="pytorch",
+        disable_cuda_graph=True,
+        dtype="float32",
+        max_total_tokens=1024,
+        enable_freetoken=True,
+    )
+    kwargs.update(server_kwargs)
+    sa = ServerArgs(**kwargs)
+    publish(sa, role="test")
+    initialize_moe_config(sa)
+    runner, _ = load_model(sa, PortArgs.init_new(sa), 0, 0)
+    return getattr(runner, "torch_runner", runner)  # the bench wrapper's ModelRunner
+
+
+_EXPERT = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+)
+_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+def check_pool_layout(model_path: str, **kw) -> dict:
+    """Compare every host-pool bank row ``l*E + e`` with the checkpoint's expert tensors."""
+    import torch
+    from safetensors import safe_open
+
+    from freetoken_sglang.runtime import get_runtime
+
+    model_runner = load_model_runner(model_path, **kw)
+    rt = get_runtime()
+    pool = rt.pool
+    E = pool.num_experts
+    seen = set()
+    mismatches = []
+    with safe_open(os.path.join(model_path, "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            m = _EXPERT.match(key)
+            if not m:
+                continue
+            layer, expert, kind = int(m.group(1)), int(m.group(2)), _KIND[m.group(3)]
+            want = f.get_tensor(key).float()
+            row = pool.ordinal(layer) * E + expert
+            I = pool.specs["w2_weight"].shape[1]
+            if kind == "gate":
+                got = pool.banks["w13_weight"][row, :I]
+            elif kind == "up":
+                got = pool.banks["w13_weight"][row, I:]
+            else:
+                got = pool.banks["w2_weight"][row]
+            if not torch.equal(got.float(), want):
+                mismatches.append(key)
+            seen.add((row, kind))
+    params_are_views = all(
+        getattr(m, "w13_weight").data_ptr()
+        == pool.banks["w13_weight"][pool.ordinal(m.layer_id) * E].data_ptr()
+        for m in model_runner.model.modules()
+        if type(m).__name__ == "FusedMoE"
+    )
+    return {
+        "rows": pool.num_rows,
+        "moe_layer_ids": pool.moe_layer_ids,
+        "checked": len(seen),
+        "mismatches": mismatches,
+        "params_are_views": params_are_views,
+        "expert_params_on_cpu": all(
+            p.device.type == "cpu"
+            for n, p in model_runner.model.named_parameters()
+            if ".experts." in n and "shared" not in n
+        ),
+    }
+
+
+
+
+CHECKS = {"pool_layout": check_pool_layout}
+
+if __name__ == "__main__":
+    check, path = sys.argv[1], sys.argv[2]
+    kwargs = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    result = CHECKS[check](path, **kwargs)
+    print("RESULT " + json.dumps(result))

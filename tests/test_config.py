@@ -1,0 +1,116 @@
+"""The FreeToken flags: argparse surface, Engine keywords, validation and ServerArgs changes."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from freetoken_sglang import config as ft
+
+
+def parser():
+    p = argparse.ArgumentParser()
+    ft.add_cli_args(p)
+    return p
+
+
+def test_cli_flags_parse_into_config():
+    args = parser().parse_args(["--enable-freetoken", "--freetoken-cache-ratio", "0.25"])
+    kwargs = {k: v for k, v in vars(args).items()}
+    cfg = ft.pop_config(kwargs)
+    assert kwargs == {}
+    assert cfg.cache_ratio == 0.25
+    assert cfg.cache_gb is None and cfg.cache_slots is None
+    assert cfg.kv_reserve_gb == ft.DEFAULT_KV_RESERVE_GB
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--freetoken-cache-ratio", "abc"],
+        ["--freetoken-cache-ratio", "0"],
+        ["--freetoken-cache-ratio", "-0.5"],
+        ["--freetoken-cache-gb", "x"],
+        ["--freetoken-cache-slots", "2.5"],
+        ["--freetoken-cache-slots", "0"],
+        ["--freetoken-kv-reserve-gb", "-1"],
+        ["--freetoken-cache-ratio", "0.2", "--freetoken-cache-slots", "8"],
+    ],
+)
+def test_bad_flag_values_are_argparse_errors(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args(["--enable-freetoken", *argv])
+    assert e.value.code == 2
+    assert "freetoken" in capsys.readouterr().err
+
+
+def test_engine_keywords_are_validated():
+    kw = {"enable_freetoken": True, "freetoken_cache_slots": "12", "model_path": "m"}
+    cfg = ft.pop_config(kw)
+    assert cfg.cache_slots == 12 and kw == {"model_path": "m"}
+    with pytest.raises(ValueError, match="freetoken_cache_ratio"):
+        ft.pop_config({"enable_freetoken": True, "freetoken_cache_ratio": -1})
+    with pytest.raises(ValueError, match="unknown FreeToken option"):
+        ft.pop_config({"enable_freetoken": True, "freetoken_cach_ratio": 0.5})
+    with pytest.raises(ValueError, match="at most one cache size"):
+        ft.pop_config(
+            {"enable_freetoken": True, "freetoken_cache_ratio": 0.5, "freetoken_cache_gb": 1}
+        )
+    with pytest.raises(ValueError, match="without enable_freetoken"):
+        ft.pop_config({"freetoken_cache_ratio": 0.5})
+    assert ft.pop_config({"model_path": "m"}) is None
+
+
+def test_server_args_overrides():
+    kw = ft.apply_server_args_overrides({"tp_size": 1, "moe_runner_backend": "auto"})
+    assert kw["disable_shared_experts_fusion"] is True
+    for bad, needle in [
+        ({"tp_size": 2}, "--tp-size must be 1"),
+        ({"quantization": "fp8"}, "--quantization fp8 is not supported"),
+        ({"cpu_offload_gb": 4}, "--cpu-offload-gb"),
+        ({"moe_runner_backend": "flashinfer_cutlass"}, "--moe-runner-backend"),
+        ({"speculative_algorithm": "EAGLE"}, "speculative"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            ft.apply_server_args_overrides(dict(bad))
+
+
+def test_launch_server_help_lists_the_flags():
+    from sglang_cpu import cpu_env
+
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--help"],
+        env=cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    for flag in (
+        "--enable-freetoken",
+        "--freetoken-cache-gb",
+        "--freetoken-cache-ratio",
+        "--freetoken-cache-slots",
+        "--freetoken-kv-reserve-gb",
+    ):
+        assert flag in out.stdout
+
+
+def test_launch_server_rejects_bad_value_before_loading():
+    from sglang_cpu import cpu_env
+
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", "unused",
+            "--enable-freetoken", "--freetoken-cache-ratio", "lots",
+        ],
+        env=cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2
+    assert "--freetoken-cache-ratio: expected a number, got 'lots'" in out.stderr

@@ -1,0 +1,101 @@
+"""The host expert pool: bank layout (row ``l*E + e`` holds exactly that expert), loading
+straight into it, and the pinning fallback."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from freetoken_sglang.pool import BankSpec, HostExpertPool, bank_specs_for_layer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def make_pool(layers=(1, 2, 4), E=3):
+    specs = bank_specs_for_layer(hidden_size=5, intermediate_size=3, dtype=torch.bfloat16)
+    return HostExpertPool(list(layers), E, specs)
+
+
+def test_layer_rows_are_views_at_l_times_E():
+    pool = make_pool()
+    assert pool.num_rows == 9
+    assert pool.ordinal(4) == 2 and pool.flat_id(4, 1) == 7
+    rows = pool.layer_rows("w13_weight", 2)
+    assert rows.shape == (3, 6, 5)
+    rows[1].fill_(7.0)
+    bank = pool.banks["w13_weight"]
+    assert (bank[4] == 7).all()
+    assert not (bank[3] == 7).any() and not (bank[5] == 7).any()
+    assert rows.data_ptr() == bank[3].data_ptr()
+    with pytest.raises(KeyError, match="not one of the MoE layers"):
+        pool.ordinal(3)
+
+
+def test_expert_bytes_and_specs():
+    pool = make_pool()
+    assert pool.expert_bytes == (6 * 5 + 5 * 3) * 2
+    assert pool.nbytes == pool.expert_bytes * 9
+    with_bias = bank_specs_for_layer(5, 3, torch.float16, with_bias=True)
+    assert with_bias["w13_weight_bias"] == BankSpec((6,), torch.float32)
+    assert with_bias["w2_weight_bias"] == BankSpec((5,), torch.float32)
+
+
+def test_pin_refused_falls_back_to_pageable(monkeypatch, caplog):
+    pool = make_pool()
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size, flags))
+            return 0 if len(calls) == 1 else 2  # second bank refused
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    with caplog.at_level(logging.WARNING):
+        assert pool.pin() is False
+    assert pool.pinned is False and pool.device_banks == {}
+    kinds = [c[0] for c in calls]
+    assert kinds == ["register", "register", "unregister"]
+    assert calls[0][1] == pool.banks["w13_weight"].data_ptr()
+    assert calls[0][3] == 3  # portable | mapped
+    assert "refused to pin" in caplog.text and "ulimit -l" in caplog.text
+
+
+def run_inproc(check, model_path, **kw):
+    from sglang_cpu import cpu_env
+
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "inproc.py"), check, model_path, json.dumps(kw)],
+        env=cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize(
+    "family,first_moe_layer", [("qwen3_moe", 0), ("mixtral", 0), ("deepseek_v2", 1)]
+)
+def test_loaded_pool_rows_hold_the_checkpoint_experts(tiny_checkpoint, family, first_moe_layer):
+    path = tiny_checkpoint(family)
+    r = run_inproc("pool_layout", path, freetoken_cache_ratio=0.5)
+    assert r["moe_layer_ids"][0] == first_moe_layer
+    assert r["checked"] == r["rows"] * 3  # gate, up and down of every expert
+    assert r["mismatches"] == []
+    assert r["params_are_views"] is True
+    assert r["expert_params_on_cpu"] is True
