@@ -1,0 +1,1249 @@
+/* FreeToken's CPU expert executor (see cpu_executor.h for the contract).
+ *
+ * Layout of the work of one call:
+ *   caller:  validate items, group them by expert (sorted by flat id), convert the rows of x
+ *            they use into the kernel's activation format when x is not already in it;
+ *   phase 1: every compute thread takes a contiguous share of all (expert, j) gate/up row
+ *            pairs and writes act(gate_j · x + bg) * (up_j · x + bu) for each token of that
+ *            expert into the intermediate buffer;
+ *   barrier;
+ *   phase 2: every compute thread takes a contiguous share of the H output rows and, for
+ *            every expert, adds weight * (w2[h] · inter + b2[h]) into out[row, h]. Output
+ *            rows are owned by one thread, so nothing is written twice.
+ *   barrier (the caller returns after it).
+ * Each weight byte is read once per call. The intermediate buffer [items, I] is shared: in
+ * phase 1 each thread writes its own slice, in phase 2 every thread reads all of it. The
+ * dot-product micro-kernels take 4 weight rows and up to FT_TMAX token vectors at a time,
+ * with one kernel per (path, weight dtype), and prefetch the rows of their next call into
+ * L2 while they run. Every SIMD path is compiled with a target attribute and chosen at run
+ * time, so one binary runs on any x86-64 CPU. */
+#define _GNU_SOURCE
+#include "cpu_executor.h"
+
+#include <limits.h>
+#include <linux/futex.h>
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdalign.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define FT_X86 1
+#else
+#define FT_X86 0
+#endif
+
+#define FT_TMAX 4          /* most token vectors one micro-kernel call takes */
+#define FT_ROWS 4          /* weight rows one micro-kernel call takes */
+#define FT_ALIGN 64        /* cache line */
+#define FT_OUT_BLOCK 16    /* phase-2 output rows are split in blocks of one fp32 line */
+#define FT_INTER_BLOCK 16  /* phase-1 units: 16 gate/up row pairs */
+#define FT_DEFAULT_SPIN_US 200
+
+/* ------------------------------------------------------------------------------------ */
+/* Scalar conversions                                                                   */
+/* ------------------------------------------------------------------------------------ */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                            /* RNE */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0) {
+        float f = (float)mant * 0x1p-24f; /* zero or subnormal */
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (mant << 13);
+    } else {
+        u = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float load_elem(const void *p, int64_t i, int dtype) {
+    switch (dtype) {
+    case FT_DTYPE_BF16: return bf16_to_f32(((const uint16_t *)p)[i]);
+    case FT_DTYPE_F16: return f16_to_f32(((const uint16_t *)p)[i]);
+    default: return ((const float *)p)[i];
+    }
+}
+
+static inline float ld_f32(const void *p, int i) { return ((const float *)p)[i]; }
+static inline float ld_bf16(const void *p, int i) { return bf16_to_f32(((const uint16_t *)p)[i]); }
+static inline float ld_f16(const void *p, int i) { return f16_to_f32(((const uint16_t *)p)[i]); }
+
+static inline size_t dtype_size(int dtype) { return dtype == FT_DTYPE_F32 ? 4 : 2; }
+
+static inline float activate(float g, int act) {
+    if (act == FT_ACT_GELU_TANH)
+        return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    return g / (1.0f + expf(-g));
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Micro-kernels: res[r * FT_TMAX + t] = dot(w[r][0:n], x[t][0:n]) for r < 4, t < nt.    */
+/* x is fp32, except for the AVX512-BF16 kernel where it is bf16. The SIMD kernels also  */
+/* prefetch pf[r][0:n] (the rows of the caller's next call) into L2 as they go, so that   */
+/* each new row does not start cold at a page boundary where the hardware prefetcher    */
+/* stops; pass w again when there is no next call.                                       */
+/* ------------------------------------------------------------------------------------ */
+
+typedef void (*ft_dot_fn)(const void *const *w, const void *const *pf, const void *const *x,
+                          int nt, int n, float *res);
+
+typedef struct {
+    ft_dot_fn dot;
+    int tmax;     /* largest nt the kernel takes */
+    int x_bf16;   /* activations (x and the intermediate) are bf16, else fp32 */
+} ft_kernel;
+
+/* Portable C: 8 independent lanes per row so that compilers can vectorize the loop. */
+#define FT_DEFINE_PORTABLE_DOT(NAME, WT, CVT)                                                \
+    static void NAME(const void *const *w, const void *const *pf, const void *const *x, int nt, \
+                     int n, float *res) {                                                    \
+        (void)pf;                                                                            \
+        const WT *w0 = (const WT *)w[0], *w1 = (const WT *)w[1];                             \
+        const WT *w2 = (const WT *)w[2], *w3 = (const WT *)w[3];                             \
+        for (int t = 0; t < nt; t++) {                                                       \
+            const float *xv = (const float *)x[t];                                           \
+            float a0[8] = {0}, a1[8] = {0}, a2[8] = {0}, a3[8] = {0};                        \
+            int i = 0;                                                                       \
+            for (; i + 8 <= n; i += 8) {                                                     \
+                for (int k = 0; k < 8; k++) {                                                \
+                    float xk = xv[i + k];                                                    \
+                    a0[k] += CVT(w0[i + k]) * xk;                                            \
+                    a1[k] += CVT(w1[i + k]) * xk;                                            \
+                    a2[k] += CVT(w2[i + k]) * xk;                                            \
+                    a3[k] += CVT(w3[i + k]) * xk;                                            \
+                }                                                                            \
+            }                                                                                \
+            float s0 = 0, s1 = 0, s2 = 0, s3 = 0;                                            \
+            for (int k = 0; k < 8; k++) {                                                    \
+                s0 += a0[k];                                                                 \
+                s1 += a1[k];                                                                 \
+                s2 += a2[k];                                                                 \
+                s3 += a3[k];                                                                 \
+            }                                                                                \
+            for (; i < n; i++) {                                                             \
+                float xk = xv[i];                                                            \
+                s0 += CVT(w0[i]) * xk;                                                       \
+                s1 += CVT(w1[i]) * xk;                                                       \
+                s2 += CVT(w2[i]) * xk;                                                       \
+                s3 += CVT(w3[i]) * xk;                                                       \
+            }                                                                                \
+            res[0 * FT_TMAX + t] = s0;                                                       \
+            res[1 * FT_TMAX + t] = s1;                                                       \
+            res[2 * FT_TMAX + t] = s2;                                                       \
+            res[3 * FT_TMAX + t] = s3;                                                       \
+        }                                                                                    \
+    }
+
+static inline float cvt_f32(float v) { return v; }
+FT_DEFINE_PORTABLE_DOT(portable_dot_f32, float, cvt_f32)
+FT_DEFINE_PORTABLE_DOT(portable_dot_bf16, uint16_t, bf16_to_f32)
+FT_DEFINE_PORTABLE_DOT(portable_dot_f16, uint16_t, f16_to_f32)
+
+/* STREAM-like reads reduce a buffer to the sum of its 64-bit little-endian words (mod 2^64),
+ * plus each byte of a final partial word, whatever the path and the split across threads
+ * (threads get multiples of 256 bytes). This is the part after the SIMD blocks. */
+static uint64_t read_tail(const uint8_t *p, size_t n) {
+    uint64_t s = 0;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t v;
+        memcpy(&v, p + i, sizeof v);
+        s += v;
+    }
+    for (; i < n; i++) s += p[i];
+    return s;
+}
+
+#if FT_X86
+/* ---- AVX2 + FMA + F16C: 8 fp32 lanes, up to 2 tokens (4x2 accumulators + 4 weights). -- */
+#define FT_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+static inline FT_AVX2 __m256 avx2_w_f32(const void *p, int i) {
+    return _mm256_loadu_ps((const float *)p + i);
+}
+static inline FT_AVX2 __m256 avx2_w_bf16(const void *p, int i) {
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline FT_AVX2 __m256 avx2_w_f16(const void *p, int i) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+}
+static inline FT_AVX2 float avx2_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Prefetch line OFF (bytes) of the 4 next rows into L2. */
+#define FT_PREFETCH4(OFF)                                                                    \
+    do {                                                                                     \
+        _mm_prefetch((const char *)pf[0] + (OFF), _MM_HINT_T1);                              \
+        _mm_prefetch((const char *)pf[1] + (OFF), _MM_HINT_T1);                              \
+        _mm_prefetch((const char *)pf[2] + (OFF), _MM_HINT_T1);                              \
+        _mm_prefetch((const char *)pf[3] + (OFF), _MM_HINT_T1);                              \
+    } while (0)
+/* Once per cache line of weights: at element I of elements of ESZ bytes. */
+#define FT_PREFETCH_AT(I, ESZ)                                                               \
+    do {                                                                                     \
+        if ((((size_t)(I) * (ESZ)) & (FT_ALIGN - 1)) == 0) FT_PREFETCH4((size_t)(I) * (ESZ)); \
+    } while (0)
+
+#define FT_DEFINE_AVX2_DOT(NAME, LOADW, SCALARW, ESZ)                                        \
+    static inline __attribute__((always_inline)) FT_AVX2 void NAME##_body(                   \
+        const void *const *w, const void *const *pf, const void *const *x, const int nt,     \
+        int n, float *res) {                                                                 \
+        __m256 acc[FT_ROWS][2];                                                              \
+        for (int t = 0; t < nt; t++)                                                         \
+            for (int r = 0; r < FT_ROWS; r++) acc[r][t] = _mm256_setzero_ps();               \
+        int i = 0;                                                                           \
+        for (; i + 8 <= n; i += 8) {                                                         \
+            FT_PREFETCH_AT(i, ESZ);                                                          \
+            __m256 w0 = LOADW(w[0], i), w1 = LOADW(w[1], i);                                 \
+            __m256 w2 = LOADW(w[2], i), w3 = LOADW(w[3], i);                                 \
+            for (int t = 0; t < nt; t++) {                                                   \
+                __m256 xv = _mm256_loadu_ps((const float *)x[t] + i);                        \
+                acc[0][t] = _mm256_fmadd_ps(w0, xv, acc[0][t]);                              \
+                acc[1][t] = _mm256_fmadd_ps(w1, xv, acc[1][t]);                              \
+                acc[2][t] = _mm256_fmadd_ps(w2, xv, acc[2][t]);                              \
+                acc[3][t] = _mm256_fmadd_ps(w3, xv, acc[3][t]);                              \
+            }                                                                                \
+        }                                                                                    \
+        for (int t = 0; t < nt; t++) {                                                       \
+            const float *xt = (const float *)x[t];                                           \
+            for (int r = 0; r < FT_ROWS; r++) {                                              \
+                float s = avx2_hsum(acc[r][t]);                                              \
+                for (int k = i; k < n; k++) s += SCALARW(w[r], k) * xt[k];                   \
+                res[r * FT_TMAX + t] = s;                                                    \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+    static FT_AVX2 void NAME(const void *const *w, const void *const *pf,                   \
+                             const void *const *x, int nt, int n, float *res) {              \
+        if (nt == 1)                                                                         \
+            NAME##_body(w, pf, x, 1, n, res);                                                \
+        else                                                                                 \
+            NAME##_body(w, pf, x, 2, n, res);                                                \
+    }
+
+FT_DEFINE_AVX2_DOT(avx2_dot_f32, avx2_w_f32, ld_f32, 4)
+FT_DEFINE_AVX2_DOT(avx2_dot_bf16, avx2_w_bf16, ld_bf16, 2)
+FT_DEFINE_AVX2_DOT(avx2_dot_f16, avx2_w_f16, ld_f16, 2)
+
+/* ---- AVX-512: 16 fp32 lanes, masked tails, up to 4 tokens (16 accumulators). -------- */
+#define FT_AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"
+#define FT_AVX512 __attribute__((target(FT_AVX512_TARGET)))
+#define FT_AVX512BF16 __attribute__((target(FT_AVX512_TARGET ",avx512bf16")))
+
+static inline FT_AVX512 __m512 avx512_w_f32(const void *p, int i, __mmask16 m) {
+    return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+}
+static inline FT_AVX512 __m512 avx512_w_bf16(const void *p, int i, __mmask16 m) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline FT_AVX512 __m512 avx512_w_f16(const void *p, int i, __mmask16 m) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i));
+}
+
+/* Accumulators are named variables (a<row><token>), not an array, so that they stay in
+ * registers; with nt a constant after inlining, the unused ones vanish. */
+#define FT_ACC_DECL                                                                          \
+    __m512 a00 = _mm512_setzero_ps(), a10 = a00, a20 = a00, a30 = a00;                       \
+    __m512 a01 = a00, a11 = a00, a21 = a00, a31 = a00;                                       \
+    __m512 a02 = a00, a12 = a00, a22 = a00, a32 = a00;                                       \
+    __m512 a03 = a00, a13 = a00, a23 = a00, a33 = a00
+#define FT_ACC_STORE(T)                                                                      \
+    do {                                                                                     \
+        res[0 * FT_TMAX + T] = _mm512_reduce_add_ps(a0##T);                                  \
+        res[1 * FT_TMAX + T] = _mm512_reduce_add_ps(a1##T);                                  \
+        res[2 * FT_TMAX + T] = _mm512_reduce_add_ps(a2##T);                                  \
+        res[3 * FT_TMAX + T] = _mm512_reduce_add_ps(a3##T);                                  \
+    } while (0)
+#define FT_ACC_STORE_ALL                                                                     \
+    do {                                                                                     \
+        FT_ACC_STORE(0);                                                                     \
+        if (nt > 1) FT_ACC_STORE(1);                                                         \
+        if (nt > 2) FT_ACC_STORE(2);                                                         \
+        if (nt > 3) FT_ACC_STORE(3);                                                         \
+    } while (0)
+
+/* fp32 FMA of 4 weight vectors with token T's activations. */
+#define FT_FMA_TOKEN(T, I, M)                                                                \
+    do {                                                                                     \
+        __m512 xv = _mm512_maskz_loadu_ps(M, (const float *)x[T] + (I));                     \
+        a0##T = _mm512_fmadd_ps(w0, xv, a0##T);                                              \
+        a1##T = _mm512_fmadd_ps(w1, xv, a1##T);                                              \
+        a2##T = _mm512_fmadd_ps(w2, xv, a2##T);                                              \
+        a3##T = _mm512_fmadd_ps(w3, xv, a3##T);                                              \
+    } while (0)
+#define FT_AVX512_STEP(LOADW, I, M)                                                          \
+    do {                                                                                     \
+        __m512 w0 = LOADW(w[0], I, M), w1 = LOADW(w[1], I, M);                               \
+        __m512 w2 = LOADW(w[2], I, M), w3 = LOADW(w[3], I, M);                               \
+        FT_FMA_TOKEN(0, I, M);                                                               \
+        if (nt > 1) FT_FMA_TOKEN(1, I, M);                                                   \
+        if (nt > 2) FT_FMA_TOKEN(2, I, M);                                                   \
+        if (nt > 3) FT_FMA_TOKEN(3, I, M);                                                   \
+    } while (0)
+
+#define FT_DEFINE_AVX512_DOT(NAME, LOADW, ESZ)                                               \
+    static inline __attribute__((always_inline)) FT_AVX512 void NAME##_body(                 \
+        const void *const *w, const void *const *pf, const void *const *x, const int nt,     \
+        int n, float *res) {                                                                 \
+        FT_ACC_DECL;                                                                         \
+        int i = 0;                                                                           \
+        for (; i + 16 <= n; i += 16) {                                                       \
+            FT_PREFETCH_AT(i, ESZ);                                                          \
+            FT_AVX512_STEP(LOADW, i, (__mmask16)0xffff);                                     \
+        }                                                                                    \
+        if (i < n) FT_AVX512_STEP(LOADW, i, (__mmask16)((1u << (n - i)) - 1));               \
+        FT_ACC_STORE_ALL;                                                                    \
+    }                                                                                        \
+    static FT_AVX512 void NAME(const void *const *w, const void *const *pf,                 \
+                               const void *const *x, int nt, int n, float *res) {            \
+        switch (nt) {                                                                        \
+        case 1: NAME##_body(w, pf, x, 1, n, res); break;                                     \
+        case 2: NAME##_body(w, pf, x, 2, n, res); break;                                     \
+        case 3: NAME##_body(w, pf, x, 3, n, res); break;                                     \
+        default: NAME##_body(w, pf, x, 4, n, res); break;                                    \
+        }                                                                                    \
+    }
+
+FT_DEFINE_AVX512_DOT(avx512_dot_f32, avx512_w_f32, 4)
+FT_DEFINE_AVX512_DOT(avx512_dot_bf16, avx512_w_bf16, 2)
+FT_DEFINE_AVX512_DOT(avx512_dot_f16, avx512_w_f16, 2)
+
+/* ---- AVX512-BF16: bf16 weights x bf16 activations, 32 pairs per vdpbf16ps. ---------- */
+/* bf16 pair dot products of 4 weight vectors with token T's activations. */
+#define FT_DPBF16_TOKEN(T, I, M)                                                             \
+    do {                                                                                     \
+        __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(M, (const uint16_t *)x[T] + (I));   \
+        a0##T = _mm512_dpbf16_ps(a0##T, w0, xv);                                             \
+        a1##T = _mm512_dpbf16_ps(a1##T, w1, xv);                                             \
+        a2##T = _mm512_dpbf16_ps(a2##T, w2, xv);                                             \
+        a3##T = _mm512_dpbf16_ps(a3##T, w3, xv);                                             \
+    } while (0)
+#define FT_AVX512BF16_STEP(I, M)                                                             \
+    do {                                                                                     \
+        __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(M, (const uint16_t *)w[0] + (I));   \
+        __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi16(M, (const uint16_t *)w[1] + (I));   \
+        __m512bh w2 = (__m512bh)_mm512_maskz_loadu_epi16(M, (const uint16_t *)w[2] + (I));   \
+        __m512bh w3 = (__m512bh)_mm512_maskz_loadu_epi16(M, (const uint16_t *)w[3] + (I));   \
+        FT_DPBF16_TOKEN(0, I, M);                                                            \
+        if (nt > 1) FT_DPBF16_TOKEN(1, I, M);                                                \
+        if (nt > 2) FT_DPBF16_TOKEN(2, I, M);                                                \
+        if (nt > 3) FT_DPBF16_TOKEN(3, I, M);                                                \
+    } while (0)
+
+static inline __attribute__((always_inline)) FT_AVX512BF16 void avx512bf16_dot_body(
+    const void *const *w, const void *const *pf, const void *const *x, const int nt, int n,
+    float *res) {
+    FT_ACC_DECL;
+    int i = 0;
+    for (; i + 32 <= n; i += 32) {
+        FT_PREFETCH4((size_t)i * 2);
+        FT_AVX512BF16_STEP(i, (__mmask32)0xffffffffu);
+    }
+    if (i < n) FT_AVX512BF16_STEP(i, (__mmask32)(((uint64_t)1 << (n - i)) - 1));
+    FT_ACC_STORE_ALL;
+}
+
+static FT_AVX512BF16 void avx512bf16_dot(const void *const *w, const void *const *pf,
+                                         const void *const *x, int nt, int n, float *res) {
+    switch (nt) {
+    case 1: avx512bf16_dot_body(w, pf, x, 1, n, res); break;
+    case 2: avx512bf16_dot_body(w, pf, x, 2, n, res); break;
+    case 3: avx512bf16_dot_body(w, pf, x, 3, n, res); break;
+    default: avx512bf16_dot_body(w, pf, x, 4, n, res); break;
+    }
+}
+
+/* ---- STREAM-like read-reduce loops (4 independent accumulators). -------------------- */
+static FT_AVX2 uint64_t avx2_read(const uint8_t *p, size_t n) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        a0 = _mm256_add_epi64(a0, _mm256_loadu_si256((const __m256i *)(p + i)));
+        a1 = _mm256_add_epi64(a1, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
+        a2 = _mm256_add_epi64(a2, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
+        a3 = _mm256_add_epi64(a3, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+    }
+    a0 = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, a0);
+    return lanes[0] + lanes[1] + lanes[2] + lanes[3] + read_tail(p + i, n - i);
+}
+
+static FT_AVX512 uint64_t avx512_read(const uint8_t *p, size_t n) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 256 <= n; i += 256) {
+        a0 = _mm512_add_epi64(a0, _mm512_loadu_si512((const void *)(p + i)));
+        a1 = _mm512_add_epi64(a1, _mm512_loadu_si512((const void *)(p + i + 64)));
+        a2 = _mm512_add_epi64(a2, _mm512_loadu_si512((const void *)(p + i + 128)));
+        a3 = _mm512_add_epi64(a3, _mm512_loadu_si512((const void *)(p + i + 192)));
+    }
+    return (uint64_t)_mm512_reduce_add_epi64(
+               _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3))) +
+           read_tail(p + i, n - i);
+}
+#endif /* FT_X86 */
+
+static uint64_t portable_read(const uint8_t *p, size_t n) {
+    uint64_t a[8] = {0};
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        for (int k = 0; k < 8; k++) {
+            uint64_t v;
+            memcpy(&v, p + i + 8 * k, sizeof v);
+            a[k] += v;
+        }
+    }
+    uint64_t s = 0;
+    for (int k = 0; k < 8; k++) s += a[k];
+    return s + read_tail(p + i, n - i);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* CPU features and kernel selection                                                    */
+/* ------------------------------------------------------------------------------------ */
+
+int ft_isa_supported(int isa) {
+    switch (isa) {
+    case FT_ISA_AUTO:
+    case FT_ISA_PORTABLE: return 1;
+#if FT_X86
+    case FT_ISA_AVX2:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+    case FT_ISA_AVX512:
+        __builtin_cpu_init();
+        return ft_isa_supported(FT_ISA_AVX2) && __builtin_cpu_supports("avx512f") &&
+               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512dq");
+    case FT_ISA_AVX512_BF16:
+        __builtin_cpu_init();
+        return ft_isa_supported(FT_ISA_AVX512) && __builtin_cpu_supports("avx512bf16");
+#endif
+    default: return 0;
+    }
+}
+
+int ft_best_isa(void) {
+    for (int isa = FT_ISA_AVX512_BF16; isa > FT_ISA_PORTABLE; isa--)
+        if (ft_isa_supported(isa)) return isa;
+    return FT_ISA_PORTABLE;
+}
+
+const char *ft_isa_name(int isa) {
+    switch (isa) {
+    case FT_ISA_AUTO: return "auto";
+    case FT_ISA_PORTABLE: return "portable";
+    case FT_ISA_AVX2: return "avx2";
+    case FT_ISA_AVX512: return "avx512";
+    case FT_ISA_AVX512_BF16: return "avx512_bf16";
+    default: return "unknown";
+    }
+}
+
+const char *ft_strerror(int code) {
+    switch (code) {
+    case FT_OK: return "ok";
+    case FT_ERR_ARG: return "invalid argument";
+    case FT_ERR_ROW: return "token row out of range";
+    case FT_ERR_EXPERT: return "expert id out of range";
+    case FT_ERR_NOMEM: return "out of memory";
+    case FT_ERR_ISA: return "kernel path not supported by this CPU";
+    case FT_ERR_THREAD: return "could not start a worker thread";
+    default: return "unknown error";
+    }
+}
+
+static ft_kernel select_kernel(int isa, int wdtype) {
+    ft_kernel k = {NULL, FT_TMAX, 0};
+#if FT_X86
+    if (isa == FT_ISA_AVX512_BF16 && wdtype == FT_DTYPE_BF16) {
+        k.dot = avx512bf16_dot;
+        k.x_bf16 = 1;
+        return k;
+    }
+    if (isa == FT_ISA_AVX512 || isa == FT_ISA_AVX512_BF16) {
+        k.dot = wdtype == FT_DTYPE_BF16  ? avx512_dot_bf16
+                : wdtype == FT_DTYPE_F16 ? avx512_dot_f16
+                                         : avx512_dot_f32;
+        return k;
+    }
+    if (isa == FT_ISA_AVX2) {
+        k.dot = wdtype == FT_DTYPE_BF16  ? avx2_dot_bf16
+                : wdtype == FT_DTYPE_F16 ? avx2_dot_f16
+                                         : avx2_dot_f32;
+        k.tmax = 2;
+        return k;
+    }
+#endif
+    k.dot = wdtype == FT_DTYPE_BF16  ? portable_dot_bf16
+            : wdtype == FT_DTYPE_F16 ? portable_dot_f16
+                                     : portable_dot_f32;
+    return k;
+}
+
+static uint64_t read_reduce(int isa, const uint8_t *p, size_t n) {
+#if FT_X86
+    if (isa >= FT_ISA_AVX512) return avx512_read(p, n);
+    if (isa == FT_ISA_AVX2) return avx2_read(p, n);
+#else
+    (void)isa;
+#endif
+    return portable_read(p, n);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* CPU topology                                                                         */
+/* ------------------------------------------------------------------------------------ */
+
+static int read_sys_int(int cpu, const char *what) {
+    char path[128];
+    snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%d/topology/%s", cpu, what);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    int v = -1;
+    if (fscanf(f, "%d", &v) != 1) v = -1;
+    fclose(f);
+    return v;
+}
+
+/* The process's logical CPUs, ordered so that the first *n_cores entries lie on distinct
+ * physical cores (the first hyperthread of each), then the remaining siblings. Returns a
+ * malloc'd array of *n_cpus entries, or NULL when out of memory. */
+static int *ordered_cpus(int *n_cpus, int *n_cores) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof set, &set) != 0) CPU_SET(0, &set);
+    int *cpus = (int *)malloc(sizeof(int) * CPU_SETSIZE);
+    int *keys = (int *)malloc(sizeof(int) * CPU_SETSIZE);
+    int *later = (int *)malloc(sizeof(int) * CPU_SETSIZE);
+    if (!cpus || !keys || !later) {
+        free(cpus);
+        free(keys);
+        free(later);
+        return NULL;
+    }
+    int firsts = 0, rest = 0;
+    for (int c = 0; c < CPU_SETSIZE; c++) {
+        if (!CPU_ISSET(c, &set)) continue;
+        int pkg = read_sys_int(c, "physical_package_id");
+        int core = read_sys_int(c, "core_id");
+        int key = (pkg < 0 || core < 0) ? -1 - c : pkg * 65536 + core;
+        int seen = 0;
+        for (int k = 0; k < firsts && !seen; k++) seen = keys[k] == key;
+        if (seen) {
+            later[rest++] = c;
+        } else {
+            keys[firsts] = key;
+            cpus[firsts++] = c;
+        }
+    }
+    memcpy(cpus + firsts, later, sizeof(int) * (size_t)rest);
+    free(keys);
+    free(later);
+    *n_cpus = firsts + rest;
+    *n_cores = firsts;
+    return cpus;
+}
+
+int ft_physical_cores(void) {
+    int n_cpus = 1, n_cores = 1;
+    free(ordered_cpus(&n_cpus, &n_cores));
+    return n_cores;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Executor state                                                                       */
+/* ------------------------------------------------------------------------------------ */
+
+enum { JOB_MOE = 1, JOB_STREAM = 2, JOB_EXIT = 3 };
+
+typedef struct {
+    int32_t expert;      /* flat expert id */
+    int32_t start;       /* first sorted item */
+    int32_t count;       /* items (tokens) of this expert */
+    int64_t unit_start;  /* first phase-1 unit of this expert, in the flattened unit space */
+} ft_group;
+
+typedef struct {
+    alignas(FT_ALIGN) uint64_t value;
+} ft_padded_u64;
+
+struct ft_executor {
+    ft_pool_desc pool;
+    size_t esz;               /* weight element size */
+    int64_t up_rows;          /* rows of one expert's w13 */
+    int isa;
+    ft_kernel kern;
+    int nthreads;             /* compute threads, the caller included */
+    int spin_us;
+    pthread_t *threads;       /* [nthreads - 1] */
+    int *thread_cpu;          /* [nthreads - 1], -1 when not pinned */
+    pthread_mutex_t run_lock;
+
+    /* dispatch: the caller bumps gen; workers wait for it to change */
+    alignas(FT_ALIGN) _Atomic uint32_t gen;
+    _Atomic int gen_waiters;
+    alignas(FT_ALIGN) _Atomic uint32_t bar_gen;
+    _Atomic int bar_count;
+    _Atomic int bar_waiters;
+    alignas(FT_ALIGN) _Atomic int npinned;
+    _Atomic int nstarted;       /* workers past their pinning step */
+
+    /* the current job, written by the caller before bumping gen */
+    alignas(FT_ALIGN) int job;
+    const ft_moe_task *task;
+    int n_groups;
+    int64_t n_units;
+    const uint8_t *stream_buf;
+    size_t stream_bytes;
+    ft_padded_u64 *stream_sums; /* [nthreads] */
+
+    /* workspace, grown by the caller under run_lock */
+    int32_t cap_items, cap_rows, cap_xrows;
+    uint64_t *keys;           /* [cap_items] (expert << 32 | item) for sorting */
+    ft_group *groups;         /* [cap_items] */
+    int32_t *s_rows;          /* [cap_items] token row of each sorted item */
+    float *s_weights;         /* [cap_items] */
+    const void **s_x;         /* [cap_items] activation vector of each sorted item */
+    void **s_inter;           /* [cap_items] intermediate vector of each sorted item */
+    int32_t *row_map;         /* [cap_rows] converted-x row of each token row, or -1 */
+    uint8_t *xconv;           /* [cap_xrows, x_stride] converted activations */
+    uint8_t *inter;           /* [cap_items, inter_stride] intermediate act(gate)*up */
+    size_t x_stride, inter_stride; /* bytes, multiples of FT_ALIGN */
+};
+
+static void *aligned_or_null(size_t bytes) {
+    void *p = NULL;
+    if (posix_memalign(&p, FT_ALIGN, bytes ? bytes : FT_ALIGN) != 0) return NULL;
+    return p;
+}
+
+static inline size_t round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
+
+/* ------------------------------------------------------------------------------------ */
+/* Waiting: spin for spin_us, then sleep on a futex                                     */
+/* ------------------------------------------------------------------------------------ */
+
+static inline void cpu_relax(void) {
+#if FT_X86
+    _mm_pause();
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void futex_wait(_Atomic uint32_t *word, uint32_t val) {
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
+}
+
+static void futex_wake_all(_Atomic uint32_t *word) {
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Return once *word != val. The spin yields the core every 256 polls, so that on an
+ * oversubscribed machine a spinning thread does not hold up the thread it waits for. */
+static void wait_change(_Atomic uint32_t *word, uint32_t val, _Atomic int *waiters,
+                        int spin_us) {
+    if (atomic_load_explicit(word, memory_order_acquire) != val) return;
+    int64_t deadline = now_ns() + (int64_t)spin_us * 1000;
+    for (unsigned it = 1;; it++) {
+        cpu_relax();
+        if (atomic_load_explicit(word, memory_order_acquire) != val) return;
+        if ((it & 255) == 0) {
+            if (now_ns() > deadline) break;
+            sched_yield();
+        }
+    }
+    for (;;) {
+        atomic_fetch_add(waiters, 1);
+        if (atomic_load(word) == val) futex_wait(word, val);
+        atomic_fetch_sub(waiters, 1);
+        if (atomic_load_explicit(word, memory_order_acquire) != val) return;
+    }
+}
+
+static void bump_and_wake(_Atomic uint32_t *word, _Atomic int *waiters) {
+    atomic_fetch_add(word, 1);
+    if (atomic_load(waiters) > 0) futex_wake_all(word);
+}
+
+static void barrier(ft_executor *ex) {
+    if (ex->nthreads == 1) return;
+    uint32_t g = atomic_load(&ex->bar_gen);
+    if (atomic_fetch_add(&ex->bar_count, 1) == ex->nthreads - 1) {
+        atomic_store(&ex->bar_count, 0);
+        bump_and_wake(&ex->bar_gen, &ex->bar_waiters);
+    } else {
+        wait_change(&ex->bar_gen, g, &ex->bar_waiters, ex->spin_us);
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* The two phases                                                                       */
+/* ------------------------------------------------------------------------------------ */
+
+static inline void split_range(int64_t total, int parts, int idx, int64_t *b, int64_t *e) {
+    *b = total * idx / parts;
+    *e = total * (idx + 1) / parts;
+}
+
+static inline void store_inter(void *dst, int j, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)dst)[j] = f32_to_bf16(v);
+    else
+        ((float *)dst)[j] = v;
+}
+
+/* The w13 bank rows of one micro-kernel call at intermediate index j (< j1): gated, gate
+ * rows j, j+1 and up rows I+j, I+j+1; not gated, rows j..j+3. Rows past j1 repeat the last
+ * one (their results are ignored). */
+static void gate_up_rows(int64_t j, int64_t j1, int64_t I, int gated, int64_t *jr) {
+    const int step = gated ? 2 : 4;
+    int nj = (int)(j1 - j < step ? j1 - j : step);
+    for (int r = 0; r < FT_ROWS; r++) {
+        int64_t jj = gated ? j + (r % 2 < nj ? r % 2 : nj - 1) : j + (r < nj ? r : nj - 1);
+        jr[r] = gated && r >= 2 ? I + jj : jj;
+    }
+}
+
+/* Intermediate rows [j0, j1) of group g. */
+static void phase1_group(const ft_executor *ex, const ft_group *g, int64_t j0, int64_t j1) {
+    const ft_pool_desc *p = &ex->pool;
+    const ft_kernel *k = &ex->kern;
+    const int H = p->hidden, I = p->inter, gated = p->gated;
+    const uint8_t *base = (const uint8_t *)p->w13 + (size_t)g->expert * ex->up_rows * H * ex->esz;
+    const float *bias = p->w13_bias ? p->w13_bias + (size_t)g->expert * ex->up_rows : NULL;
+    const size_t row_bytes = (size_t)H * ex->esz;
+    const int step = gated ? 2 : 4; /* 4 rows per micro-kernel call: 2 gate + 2 up, or 4 */
+    float res[FT_ROWS * FT_TMAX];
+    const void *w[FT_ROWS], *next[FT_ROWS];
+    int64_t jr[FT_ROWS], next_jr[FT_ROWS]; /* bank row of each micro-kernel row */
+    gate_up_rows(j0, j1, I, gated, jr);
+    for (int r = 0; r < FT_ROWS; r++) w[r] = base + (size_t)jr[r] * row_bytes;
+    for (int64_t j = j0; j < j1; j += step) {
+        int nj = (int)(j1 - j < step ? j1 - j : step);
+        int has_next = j + step < j1;
+        if (has_next) gate_up_rows(j + step, j1, I, gated, next_jr);
+        for (int r = 0; r < FT_ROWS; r++)
+            next[r] = has_next ? (const void *)(base + (size_t)next_jr[r] * row_bytes) : w[r];
+        for (int tt = 0; tt < g->count; tt += k->tmax) {
+            int nt = g->count - tt < k->tmax ? g->count - tt : k->tmax;
+            int item0 = g->start + tt;
+            k->dot(w, tt == 0 ? next : w, (const void *const *)&ex->s_x[item0], nt, H, res);
+            for (int t = 0; t < nt; t++) {
+                void *dst = ex->s_inter[item0 + t];
+                for (int q = 0; q < nj; q++) {
+                    float a = res[q * FT_TMAX + t] + (bias ? bias[jr[q]] : 0.0f);
+                    float v;
+                    if (gated) {
+                        float u = res[(q + 2) * FT_TMAX + t] + (bias ? bias[jr[q + 2]] : 0.0f);
+                        v = activate(a, p->activation) * u;
+                    } else {
+                        v = activate(a, p->activation);
+                    }
+                    store_inter(dst, (int)(j + q), v, k->x_bf16);
+                }
+            }
+        }
+        if (has_next) {
+            memcpy(jr, next_jr, sizeof jr);
+            memcpy(w, next, sizeof w);
+        }
+    }
+}
+
+static void phase1(ft_executor *ex, int tid) {
+    int64_t ub, ue;
+    split_range(ex->n_units, ex->nthreads, tid, &ub, &ue);
+    const int64_t I = ex->pool.inter;
+    for (int gi = 0; gi < ex->n_groups && ub < ue; gi++) {
+        const ft_group *g = &ex->groups[gi];
+        int64_t gu0 = g->unit_start;
+        int64_t gu1 = gu0 + (I + FT_INTER_BLOCK - 1) / FT_INTER_BLOCK;
+        int64_t b = ub > gu0 ? ub : gu0, e = ue < gu1 ? ue : gu1;
+        if (b >= e) continue;
+        int64_t j0 = (b - gu0) * FT_INTER_BLOCK;
+        int64_t j1 = (e - gu0) * FT_INTER_BLOCK;
+        phase1_group(ex, g, j0, j1 < I ? j1 : I);
+    }
+}
+
+/* Output rows [h0, h1) for every group. */
+static void phase2(ft_executor *ex, int tid) {
+    const ft_pool_desc *p = &ex->pool;
+    const ft_kernel *k = &ex->kern;
+    const ft_moe_task *task = ex->task;
+    const int H = p->hidden, I = p->inter;
+    int64_t bb, be;
+    split_range((H + FT_OUT_BLOCK - 1) / FT_OUT_BLOCK, ex->nthreads, tid, &bb, &be);
+    int64_t h0 = bb * FT_OUT_BLOCK, h1 = be * FT_OUT_BLOCK < H ? be * FT_OUT_BLOCK : H;
+    if (h0 >= h1) return;
+    if (task->flags & FT_RUN_ZERO_OUTPUT)
+        for (int r = 0; r < task->n_rows; r++)
+            memset(task->out + (size_t)r * task->out_row_stride + h0, 0,
+                   (size_t)(h1 - h0) * sizeof(float));
+    const size_t row_bytes = (size_t)I * ex->esz;
+    float res[FT_ROWS * FT_TMAX];
+    for (int gi = 0; gi < ex->n_groups; gi++) {
+        const ft_group *g = &ex->groups[gi];
+        const uint8_t *base = (const uint8_t *)p->w2 + (size_t)g->expert * H * row_bytes;
+        const float *b2 = p->w2_bias ? p->w2_bias + (size_t)g->expert * H : NULL;
+        for (int64_t h = h0; h < h1; h += FT_ROWS) {
+            int nh = (int)(h1 - h < FT_ROWS ? h1 - h : FT_ROWS);
+            const void *w[FT_ROWS], *next[FT_ROWS];
+            for (int r = 0; r < FT_ROWS; r++) {
+                w[r] = base + (size_t)(h + (r < nh ? r : nh - 1)) * row_bytes;
+                /* the next rows of this range, or the last ones again */
+                int64_t hn = h + FT_ROWS + r < h1 ? h + FT_ROWS + r : h1 - 1;
+                next[r] = base + (size_t)hn * row_bytes;
+            }
+            for (int tt = 0; tt < g->count; tt += k->tmax) {
+                int nt = g->count - tt < k->tmax ? g->count - tt : k->tmax;
+                int item0 = g->start + tt;
+                k->dot(w, tt == 0 ? next : w, (const void *const *)&ex->s_inter[item0], nt, I,
+                       res);
+                for (int t = 0; t < nt; t++) {
+                    float wt = ex->s_weights[item0 + t];
+                    float *o = task->out + (size_t)ex->s_rows[item0 + t] * task->out_row_stride;
+                    for (int r = 0; r < nh; r++)
+                        o[h + r] += wt * (res[r * FT_TMAX + t] + (b2 ? b2[h + r] : 0.0f));
+                }
+            }
+        }
+    }
+}
+
+static void stream_part(ft_executor *ex, int tid) {
+    const size_t block = 256;
+    size_t chunks = (ex->stream_bytes + block - 1) / block;
+    size_t b = chunks * (size_t)tid / (size_t)ex->nthreads * block;
+    size_t e = chunks * (size_t)(tid + 1) / (size_t)ex->nthreads * block;
+    if (e > ex->stream_bytes) e = ex->stream_bytes;
+    ex->stream_sums[tid].value = b < e ? read_reduce(ex->isa, ex->stream_buf + b, e - b) : 0;
+}
+
+/* The share of thread tid of the current job; every thread ends at the final barrier. */
+static void do_job(ft_executor *ex, int tid) {
+    if (ex->job == JOB_MOE) {
+        phase1(ex, tid);
+        barrier(ex);
+        phase2(ex, tid);
+    } else {
+        stream_part(ex, tid);
+    }
+    barrier(ex);
+}
+
+typedef struct {
+    ft_executor *ex;
+    int tid;
+} ft_worker_arg;
+
+static void *worker_main(void *arg_) {
+    ft_worker_arg arg = *(ft_worker_arg *)arg_;
+    free(arg_);
+    ft_executor *ex = arg.ex;
+    int cpu = ex->thread_cpu[arg.tid - 1];
+    if (cpu >= 0) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpu, &set);
+        if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0)
+            atomic_fetch_add(&ex->npinned, 1);
+    }
+    atomic_fetch_add(&ex->nstarted, 1);
+    uint32_t seen = 0; /* gen is 0 when the thread is created */
+    for (;;) {
+        wait_change(&ex->gen, seen, &ex->gen_waiters, ex->spin_us);
+        seen = atomic_load_explicit(&ex->gen, memory_order_acquire);
+        if (ex->job == JOB_EXIT) return NULL;
+        do_job(ex, arg.tid);
+    }
+}
+
+/* Caller side: publish the job, do thread 0's share, return after the final barrier. */
+static void dispatch(ft_executor *ex, int job) {
+    ex->job = job;
+    if (ex->nthreads > 1) bump_and_wake(&ex->gen, &ex->gen_waiters);
+    if (job != JOB_EXIT) do_job(ex, 0);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Create / destroy                                                                     */
+/* ------------------------------------------------------------------------------------ */
+
+static void stop_workers(ft_executor *ex, int started) {
+    if (started > 0) {
+        ex->job = JOB_EXIT;
+        bump_and_wake(&ex->gen, &ex->gen_waiters);
+        for (int i = 0; i < started; i++) pthread_join(ex->threads[i], NULL);
+    }
+}
+
+static void free_workspace(ft_executor *ex) {
+    free(ex->keys);
+    free(ex->groups);
+    free(ex->s_rows);
+    free(ex->s_weights);
+    free(ex->s_x);
+    free(ex->s_inter);
+    free(ex->row_map);
+    free(ex->xconv);
+    free(ex->inter);
+}
+
+static int resolve_isa(int isa) {
+    if (isa == FT_ISA_AUTO) return ft_best_isa();
+    if (isa < FT_ISA_PORTABLE || isa > FT_ISA_AVX512_BF16 || !ft_isa_supported(isa))
+        return FT_ERR_ISA;
+    return isa;
+}
+
+int ft_executor_create(const ft_pool_desc *pool, int num_threads, int isa, int spin_us,
+                       int pin_threads, ft_executor **out) {
+    if (!pool || !out || !pool->w13 || !pool->w2 || pool->hidden <= 0 || pool->inter <= 0 ||
+        pool->n_experts <= 0 || pool->dtype < FT_DTYPE_F32 || pool->dtype > FT_DTYPE_BF16 ||
+        pool->activation < FT_ACT_SILU || pool->activation > FT_ACT_GELU_TANH)
+        return FT_ERR_ARG;
+    int chosen = resolve_isa(isa);
+    if (chosen < 0) return chosen;
+    int n_cpus = 1, n_cores = 1;
+    int *cpus = ordered_cpus(&n_cpus, &n_cores);
+    if (!cpus) return FT_ERR_NOMEM;
+    if (num_threads <= 0) num_threads = n_cores;
+
+    ft_executor *ex = (ft_executor *)aligned_or_null(sizeof *ex);
+    if (!ex) {
+        free(cpus);
+        return FT_ERR_NOMEM;
+    }
+    memset(ex, 0, sizeof *ex);
+    ex->pool = *pool;
+    ex->pool.gated = pool->gated ? 1 : 0;
+    ex->esz = dtype_size(pool->dtype);
+    ex->up_rows = (int64_t)pool->inter * (ex->pool.gated ? 2 : 1);
+    ex->isa = chosen;
+    ex->kern = select_kernel(chosen, pool->dtype);
+    ex->nthreads = num_threads;
+    ex->spin_us = spin_us < 0 ? FT_DEFAULT_SPIN_US : spin_us;
+    pthread_mutex_init(&ex->run_lock, NULL);
+    ex->threads = (pthread_t *)calloc((size_t)num_threads, sizeof(pthread_t));
+    ex->thread_cpu = (int *)calloc((size_t)num_threads, sizeof(int));
+    ex->stream_sums = (ft_padded_u64 *)aligned_or_null(sizeof(ft_padded_u64) * num_threads);
+    if (!ex->threads || !ex->thread_cpu || !ex->stream_sums) {
+        free(cpus);
+        ex->nthreads = 1;
+        ft_executor_destroy(ex);
+        return FT_ERR_NOMEM;
+    }
+    /* Worker i (1-based) takes cpus[i]: one per physical core first; the caller stays
+     * unpinned on what is left (cpus[0]'s core when the scheduler lets it). */
+    for (int i = 1; i < num_threads; i++) {
+        ex->thread_cpu[i - 1] = pin_threads ? cpus[i % n_cpus] : -1;
+        ft_worker_arg *arg = (ft_worker_arg *)malloc(sizeof *arg);
+        if (!arg) {
+            free(cpus);
+            stop_workers(ex, i - 1);
+            ex->nthreads = 1;
+            ft_executor_destroy(ex);
+            return FT_ERR_NOMEM;
+        }
+        arg->ex = ex;
+        arg->tid = i;
+        if (pthread_create(&ex->threads[i - 1], NULL, worker_main, arg) != 0) {
+            free(arg);
+            free(cpus);
+            stop_workers(ex, i - 1);
+            ex->nthreads = 1;
+            ft_executor_destroy(ex);
+            return FT_ERR_THREAD;
+        }
+    }
+    free(cpus);
+    /* Return with every worker running and pinned, so that the first call and
+     * ft_executor_num_pinned see the final state. */
+    while (atomic_load(&ex->nstarted) < num_threads - 1) sched_yield();
+    *out = ex;
+    return FT_OK;
+}
+
+void ft_executor_destroy(ft_executor *ex) {
+    if (!ex) return;
+    if (ex->nthreads > 1) stop_workers(ex, ex->nthreads - 1);
+    pthread_mutex_destroy(&ex->run_lock);
+    free_workspace(ex);
+    free(ex->threads);
+    free(ex->thread_cpu);
+    free(ex->stream_sums);
+    free(ex);
+}
+
+int ft_executor_set_isa(ft_executor *ex, int isa) {
+    if (!ex) return FT_ERR_ARG;
+    int chosen = resolve_isa(isa);
+    if (chosen < 0) return chosen;
+    pthread_mutex_lock(&ex->run_lock);
+    ex->isa = chosen;
+    ex->kern = select_kernel(chosen, ex->pool.dtype);
+    pthread_mutex_unlock(&ex->run_lock);
+    return FT_OK;
+}
+
+int ft_executor_isa(const ft_executor *ex) { return ex ? ex->isa : FT_ERR_ARG; }
+int ft_executor_num_threads(const ft_executor *ex) { return ex ? ex->nthreads : FT_ERR_ARG; }
+int ft_executor_num_pinned(const ft_executor *ex) {
+    return ex ? atomic_load(&((ft_executor *)ex)->npinned) : FT_ERR_ARG;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* A call                                                                               */
+/* ------------------------------------------------------------------------------------ */
+
+static int grow(void **p, size_t bytes) {
+    void *q = aligned_or_null(bytes);
+    if (!q) return 0;
+    free(*p);
+    *p = q;
+    return 1;
+}
+
+static int reserve(ft_executor *ex, int32_t n_items, int32_t n_rows) {
+    if (n_items > ex->cap_items) {
+        size_t n = (size_t)n_items;
+        if (!grow((void **)&ex->keys, n * sizeof(uint64_t)) ||
+            !grow((void **)&ex->groups, n * sizeof(ft_group)) ||
+            !grow((void **)&ex->s_rows, n * sizeof(int32_t)) ||
+            !grow((void **)&ex->s_weights, n * sizeof(float)) ||
+            !grow((void **)&ex->s_x, n * sizeof(void *)) ||
+            !grow((void **)&ex->s_inter, n * sizeof(void *)) ||
+            !grow((void **)&ex->inter, n * ex->inter_stride)) {
+            ex->cap_items = 0; /* some arrays may now be smaller than cap_items */
+            return FT_ERR_NOMEM;
+        }
+        ex->cap_items = n_items;
+    }
+    if (n_rows > ex->cap_rows) {
+        if (!grow((void **)&ex->row_map, (size_t)n_rows * sizeof(int32_t))) return FT_ERR_NOMEM;
+        ex->cap_rows = n_rows;
+    }
+    return FT_OK;
+}
+
+static int reserve_xrows(ft_executor *ex, int32_t n_xrows) {
+    if (n_xrows > ex->cap_xrows) {
+        if (!grow((void **)&ex->xconv, (size_t)n_xrows * ex->x_stride)) return FT_ERR_NOMEM;
+        ex->cap_xrows = n_xrows;
+    }
+    return FT_OK;
+}
+
+static void sort_keys(uint64_t *k, int n) {
+    for (int i = 1; i < n; i++) { /* insertion sort: n is a few dozen at most per call */
+        uint64_t v = k[i];
+        int j = i - 1;
+        while (j >= 0 && k[j] > v) {
+            k[j + 1] = k[j];
+            j--;
+        }
+        k[j + 1] = v;
+    }
+}
+
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void convert_row(void *dst, const void *src, int src_dtype, int n, int to_bf16) {
+    for (int i = 0; i < n; i++) {
+        float v = load_elem(src, i, src_dtype);
+        if (to_bf16)
+            ((uint16_t *)dst)[i] = f32_to_bf16(v);
+        else
+            ((float *)dst)[i] = v;
+    }
+}
+
+static int run_locked(ft_executor *ex, ft_moe_task *t) {
+    const ft_pool_desc *p = &ex->pool;
+    const int H = p->hidden;
+    int32_t n = t->n_items_ptr ? *t->n_items_ptr : t->n_items;
+    if (n < 0 || t->n_rows < 0 || t->x_dtype < FT_DTYPE_F32 || t->x_dtype > FT_DTYPE_BF16 ||
+        (n > 0 && (!t->rows || !t->experts || !t->weights || !t->x)) ||
+        (t->n_rows > 0 && !t->out) || t->x_row_stride < H || t->out_row_stride < H)
+        return FT_ERR_ARG;
+    for (int32_t i = 0; i < n; i++) {
+        if (t->experts[i] < 0) continue;
+        if (t->experts[i] >= p->n_experts) {
+            t->error_index = i;
+            return FT_ERR_EXPERT;
+        }
+        if (t->rows[i] < 0 || t->rows[i] >= t->n_rows) {
+            t->error_index = i;
+            return FT_ERR_ROW;
+        }
+    }
+    const size_t act_esz = ex->kern.x_bf16 ? 2 : 4;
+    ex->x_stride = round_up((size_t)H * act_esz, FT_ALIGN);
+    size_t inter_stride = round_up((size_t)p->inter * act_esz, FT_ALIGN);
+    if (inter_stride != ex->inter_stride) { /* the kernel path changed: regrow */
+        ex->inter_stride = inter_stride;
+        ex->cap_items = 0;
+        ex->cap_xrows = 0;
+    }
+    int rc = reserve(ex, n, t->n_rows);
+    if (rc) return rc;
+
+    /* Group the valid items by expert. */
+    int nv = 0;
+    for (int32_t i = 0; i < n; i++)
+        if (t->experts[i] >= 0)
+            ex->keys[nv++] = ((uint64_t)(uint32_t)t->experts[i] << 32) | (uint32_t)i;
+    if (nv == 0) {
+        if (t->flags & FT_RUN_ZERO_OUTPUT)
+            for (int r = 0; r < t->n_rows; r++)
+                memset(t->out + (size_t)r * t->out_row_stride, 0, (size_t)H * sizeof(float));
+        return FT_OK;
+    }
+    if (nv <= 64)
+        sort_keys(ex->keys, nv);
+    else
+        qsort(ex->keys, (size_t)nv, sizeof(uint64_t), cmp_u64);
+
+    /* Activation vectors: x itself when already in the kernel's format, else converted
+     * once per distinct token row. */
+    int x_native = ex->kern.x_bf16 ? t->x_dtype == FT_DTYPE_BF16 : t->x_dtype == FT_DTYPE_F32;
+    int n_xrows = 0;
+    if (!x_native) {
+        for (int r = 0; r < t->n_rows; r++) ex->row_map[r] = -1;
+        for (int s = 0; s < nv; s++) {
+            int32_t row = t->rows[(uint32_t)ex->keys[s]];
+            if (ex->row_map[row] < 0) ex->row_map[row] = n_xrows++;
+        }
+        if ((rc = reserve_xrows(ex, n_xrows))) return rc;
+        const size_t x_row_bytes = (size_t)t->x_row_stride * dtype_size(t->x_dtype);
+        for (int r = 0; r < t->n_rows; r++)
+            if (ex->row_map[r] >= 0)
+                convert_row(ex->xconv + (size_t)ex->row_map[r] * ex->x_stride,
+                            (const uint8_t *)t->x + (size_t)r * x_row_bytes, t->x_dtype, H,
+                            ex->kern.x_bf16);
+    }
+    int ng = 0;
+    int64_t units_per_group = (p->inter + FT_INTER_BLOCK - 1) / FT_INTER_BLOCK;
+    for (int s = 0; s < nv; s++) {
+        uint32_t i = (uint32_t)ex->keys[s];
+        int32_t e = (int32_t)(ex->keys[s] >> 32);
+        if (ng == 0 || ex->groups[ng - 1].expert != e) {
+            ex->groups[ng].expert = e;
+            ex->groups[ng].start = s;
+            ex->groups[ng].count = 0;
+            ex->groups[ng].unit_start = ng * units_per_group;
+            ng++;
+        }
+        ex->groups[ng - 1].count++;
+        int32_t row = t->rows[i];
+        ex->s_rows[s] = row;
+        ex->s_weights[s] = t->weights[i];
+        ex->s_x[s] = x_native
+                         ? (const void *)((const uint8_t *)t->x +
+                                          (size_t)row * (size_t)t->x_row_stride * act_esz)
+                         : (const void *)(ex->xconv + (size_t)ex->row_map[row] * ex->x_stride);
+        ex->s_inter[s] = ex->inter + (size_t)s * ex->inter_stride;
+    }
+    ex->n_groups = ng;
+    ex->n_units = (int64_t)ng * units_per_group;
+    ex->task = t;
+    dispatch(ex, JOB_MOE);
+    return FT_OK;
+}
+
+void ft_cpu_moe_run(void *task) {
+    ft_moe_task *t = (ft_moe_task *)task;
+    if (!t) return;
+    t->error_index = -1;
+    ft_executor *ex = t->executor;
+    if (!ex) {
+        t->status = FT_ERR_ARG;
+        return;
+    }
+    pthread_mutex_lock(&ex->run_lock);
+    t->status = run_locked(ex, t);
+    pthread_mutex_unlock(&ex->run_lock);
+}
+
+int ft_executor_run(ft_executor *ex, const void *x, int32_t x_dtype, int64_t x_row_stride,
+                    int32_t n_rows, const int32_t *rows, const int32_t *experts,
+                    const float *weights, int32_t n_items, float *out,
+                    int64_t out_row_stride, int32_t flags, int32_t *error_index) {
+    ft_moe_task t;
+    memset(&t, 0, sizeof t);
+    t.executor = ex;
+    t.x = x;
+    t.x_row_stride = x_row_stride;
+    t.x_dtype = x_dtype;
+    t.n_rows = n_rows;
+    t.rows = rows;
+    t.experts = experts;
+    t.weights = weights;
+    t.n_items = n_items;
+    t.out = out;
+    t.out_row_stride = out_row_stride;
+    t.flags = flags;
+    ft_cpu_moe_run(&t);
+    if (error_index) *error_index = t.error_index;
+    return t.status;
+}
+
+uint64_t ft_executor_stream_read(ft_executor *ex, const void *buf, size_t nbytes) {
+    if (!ex || !buf) return 0;
+    pthread_mutex_lock(&ex->run_lock);
+    ex->stream_buf = (const uint8_t *)buf;
+    ex->stream_bytes = nbytes;
+    dispatch(ex, JOB_STREAM);
+    uint64_t s = 0;
+    for (int i = 0; i < ex->nthreads; i++) s += ex->stream_sums[i].value;
+    pthread_mutex_unlock(&ex->run_lock);
+    return s;
+}
