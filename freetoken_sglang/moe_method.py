@@ -103,7 +103,7 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             topk_output = topk_output.to_standard()
         hidden_states = dispatch_output.hidden_states
         topk_ids = topk_output.topk_ids
-        plan = decide(
+        plan, routed_ids = decide(
             cache.residency,
             rt.counters.counts,
             self.ordinal,
@@ -118,13 +118,12 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
                 layer,
                 hidden_states,
                 topk_output.topk_weights,
-                topk_ids,
+                routed_ids,
                 layer_slots,
-                rt.num_valid,
                 cache.slot_banks,
             )
         else:
             out = run_on_slots_native(
-                layer, hidden_states, topk_output, layer_slots, rt.num_valid, cache.slot_banks
+                layer, hidden_states, topk_output, routed_ids, layer_slots, cache.slot_banks
             )
         return StandardCombineInput(hidden_states=out)

@@ -23,6 +23,7 @@ never evicted by that same step. Keys are unique, so the order is the same on ev
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Tuple
 
 import torch
 
@@ -115,7 +116,7 @@ def decide(
     num_experts: int,
     topk_ids: torch.Tensor,
     num_valid: torch.Tensor,
-) -> FillPlan:
+) -> Tuple[FillPlan, torch.Tensor]:
     """Classify one MoE layer call's routed experts as hits or misses, choose LRU victims for
     the misses, update the state, and return the fills.
 
@@ -129,11 +130,12 @@ def decide(
         num_valid: int [1] number of real rows (the rest is graph padding).
 
     Returns:
-        The FillPlan of ``K = max_unique_experts(T, k, E)`` entries.
+        ``(plan, routed_ids)``: the FillPlan of ``K = max_unique_experts(T, k, E)`` entries,
+        and ``topk_ids`` with every padded row given row 0's experts (all resident), for
+        the compute over slots.
 
-    On CUDA this runs two single-program Triton kernels around one ``torch.topk``
-    (``kernels/residency.py``); elsewhere the torch reference below. Both give identical
-    results. Every routed expert of a valid row is resident when this returns; the cache
+    On CUDA this is one single-program Triton kernel (``kernels/residency.py``); elsewhere
+    the torch reference below. Both give identical results. Every routed expert of a valid row is resident when this returns; the cache
     must have ``S >= K`` slots (``cache.py`` checks this at start).
     """
     if topk_ids.is_cuda:
@@ -150,7 +152,7 @@ def decide_reference(
     num_experts: int,
     topk_ids: torch.Tensor,
     num_valid: torch.Tensor,
-) -> FillPlan:
+) -> Tuple[FillPlan, torch.Tensor]:
     """``decide`` in plain torch ops (the CPU path and the kernels' reference)."""
     device = topk_ids.device
     S = state.num_slots
@@ -205,4 +207,6 @@ def decide_reference(
     n_miss = count[0].long()
     n_evict = evicted.sum()
     counters[:, ordinal] += torch.stack([n_used, n_hit, n_miss, n_evict]).long()
-    return FillPlan(src=src[:K], dst=dst[:K], count=count)
+    rows = torch.arange(topk_ids.shape[0], device=device).unsqueeze(1)
+    routed = torch.where(rows < num_valid.to(rows.dtype), topk_ids, topk_ids[:1])
+    return FillPlan(src=src[:K], dst=dst[:K], count=count), routed

@@ -16,20 +16,12 @@ from typing import Dict
 import torch
 
 
-def _rows_for_padding(topk_ids: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
-    """Routing with padded rows (at or past ``num_valid[0]``) given row 0's experts, which
-    are resident: padded rows then compute harmless values that the caller discards."""
-    rows = torch.arange(topk_ids.shape[0], device=topk_ids.device).unsqueeze(1)
-    return torch.where(rows < num_valid.to(rows.dtype), topk_ids, topk_ids[:1])
-
-
 def run_on_slots_triton(
     layer,
     hidden_states: torch.Tensor,
     topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+    routed_ids: torch.Tensor,
     layer_slots: torch.Tensor,
-    num_valid: torch.Tensor,
     slot_banks: Dict[str, torch.Tensor],
 ) -> torch.Tensor:
     """The layer's routed-expert output, computed from the slots (CUDA).
@@ -39,10 +31,9 @@ def run_on_slots_triton(
             parameters, whose shapes select the kernel config as in stock SGLang).
         hidden_states: ``[T, H]`` activations.
         topk_weights: fp32 ``[T, k]`` router weights.
-        topk_ids: int ``[T, k]`` local expert ids.
-        layer_slots: int32 ``[E]`` slot of each local expert (every routed expert of a valid
-            row is resident).
-        num_valid: int ``[1]`` real rows.
+        routed_ids: int ``[T, k]`` local expert ids, every one resident (padded rows carry
+            row 0's experts; ``residency.decide`` returns them).
+        layer_slots: int32 ``[E]`` slot of each local expert.
         slot_banks: ``w13_weight [S, 2I, H]``, ``w2_weight [S, H, I]`` and optional biases.
 
     Returns:
@@ -53,8 +44,10 @@ def run_on_slots_triton(
         _prepare_fused_moe_run,
     )
 
+    from freetoken_sglang.kernels.residency import remap_expert_ids_
+
     cfg = layer.moe_runner_config
-    ids = _rows_for_padding(topk_ids, num_valid)
+    ids = routed_ids
     (
         config,
         down_config,
@@ -74,9 +67,7 @@ def run_on_slots_triton(
         per_channel_quant=False,
         block_shape=None,
     )
-    num_experts = layer_slots.shape[0]
-    slot_ids = layer_slots[expert_ids.clamp(0, num_experts - 1).long()]
-    slot_ids = torch.where(expert_ids >= 0, slot_ids.clamp(min=0), expert_ids)
+    remap_expert_ids_(expert_ids, layer_slots)
     filter_expert = cfg.num_experts is None or cfg.num_experts != cfg.num_local_experts
     return _fused_moe_kernel_sequence(
         hidden_states,
@@ -85,7 +76,7 @@ def run_on_slots_triton(
         topk_weights,
         ids,
         sorted_token_ids,
-        slot_ids.to(expert_ids.dtype),
+        expert_ids,
         num_tokens_post_padded,
         config,
         down_config,
@@ -123,8 +114,8 @@ def run_on_slots_native(
     layer,
     hidden_states: torch.Tensor,
     topk_output,
+    routed_ids: torch.Tensor,
     layer_slots: torch.Tensor,
-    num_valid: torch.Tensor,
     slot_banks: Dict[str, torch.Tensor],
 ) -> torch.Tensor:
     """The layer's routed-expert output from the slots, with SGLang's native torch MoE (the
@@ -133,8 +124,7 @@ def run_on_slots_native(
     from sglang.srt.layers.moe.fused_moe_native import moe_forward_native
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
-    ids = _rows_for_padding(topk_output.topk_ids, num_valid)
-    slot_ids = layer_slots[ids.long()].clamp(min=0).to(topk_output.topk_ids.dtype)
+    slot_ids = layer_slots[routed_ids.long()].clamp(min=0).to(routed_ids.dtype)
     slots_layer = SimpleNamespace(
         num_experts=slot_banks["w13_weight"].shape[0],
         w13_weight=slot_banks["w13_weight"],

@@ -185,6 +185,8 @@ def _mixtral(s, c):
 def _olmoe(s, c):
     from transformers import OlmoeConfig
 
+    c = dict(c)
+    c["num_key_value_heads"] = s.num_heads  # SGLang's OLMoE k_norm spans all heads
     return OlmoeConfig(
         **c,
         intermediate_size=s.moe_intermediate_size,
@@ -218,7 +220,10 @@ def _deepseek(s, c, v3: bool):
         num_experts_per_tok=s.top_k,
         first_k_dense_replace=1,
         moe_layer_freq=1,
-        kv_lora_rank=32,
+        # On the CPU, SGLang's torch-native backend reads prefill keys from the MLA latent
+        # cache ([kv_lora_rank + rope]), so kv_lora_rank = qk_nope_head_dim lines the shapes
+        # up. The attention then differs from transformers' (compare with stock SGLang).
+        kv_lora_rank=s.head_dim,
         q_lora_rank=None,
         qk_nope_head_dim=s.head_dim,
         qk_rope_head_dim=s.head_dim,

@@ -18,18 +18,27 @@ def _copy_rows_kernel(
     dst_idx_ptr,
     count_ptr,
     row_elems,
+    chunks,
     BLOCK: tl.constexpr,
 ):
-    i = tl.program_id(0)
-    chunk = tl.program_id(1)
+    # Persistent programs walk the (row, chunk) work of the counted rows only, so a call
+    # with nothing to fill costs one load per program.
     n = tl.load(count_ptr)
-    if i < n:
+    for w in range(tl.program_id(0), n * chunks, tl.num_programs(0)):
+        i = w // chunks
+        chunk = w % chunks
         s = tl.load(src_idx_ptr + i).to(tl.int64)
         d = tl.load(dst_idx_ptr + i).to(tl.int64)
         offs = chunk * BLOCK + tl.arange(0, BLOCK)
         mask = offs < row_elems
         v = tl.load(src_ptr + s * row_elems + offs, mask=mask)
         tl.store(dst_ptr + d * row_elems + offs, v, mask=mask)
+
+
+def _max_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _as_words(t: torch.Tensor) -> torch.Tensor:
@@ -65,5 +74,8 @@ def copy_rows(
     s = _as_words(src)
     d = _as_words(dst)
     row_elems = s.shape[1]
-    grid = (k, triton.cdiv(row_elems, _BLOCK))
-    _copy_rows_kernel[grid](s, d, src_idx, dst_idx, count, row_elems, BLOCK=_BLOCK)
+    chunks = triton.cdiv(row_elems, _BLOCK)
+    grid = (min(k * chunks, _max_programs(dst.device)),)
+    _copy_rows_kernel[grid](
+        s, d, src_idx, dst_idx, count, row_elems, chunks, BLOCK=_BLOCK
+    )

@@ -1,10 +1,12 @@
-"""Triton kernels of the device-side cache decision (``freetoken_sglang.residency.decide`` on
-CUDA): classify a layer call's experts, then assign LRU victims and write the fill plan.
+"""Triton kernel of the device-side cache decision (``freetoken_sglang.residency.decide`` on
+CUDA): one program de-duplicates a layer call's routed experts, classifies them against the
+residency table, picks an LRU victim for each miss and writes the fill plan (paper §4.1).
 
-One layer call runs ``_classify`` (one program), ``torch.topk`` over the slots' LRU keys,
-and ``_assign`` (one program): three launches, no host sync, fixed shapes, so decode CUDA
-graphs capture it. The results are identical to the torch reference in
-``freetoken_sglang/residency.py``.
+One launch per layer call, no host sync, fixed shapes: decode CUDA graphs capture it. A
+slot's LRU key is ``stamp * S + slot``, so the least recently used slot is simply the
+smallest key; a chosen victim is re-keyed with the current stamp, so the next search skips
+it. Calls with no miss never scan the slots. Results are identical to the torch reference
+in ``freetoken_sglang/residency.py``.
 """
 
 from __future__ import annotations
@@ -16,54 +18,21 @@ import triton.language as tl
 from freetoken_sglang.residency import FillPlan, ResidencyState, max_unique_experts
 
 _BLOCK = 64
+_SLOT_BLOCK = 1024
 
 
 @triton.jit
-def _classify(
-    ids_ptr,  # int32/int64 [T*k] local expert ids, row-major
+def _decide_kernel(
+    ids_ptr,  # int [T*k] local expert ids, row-major
+    ids_out_ptr,  # same dtype [T*k] out: padded rows get row 0's experts
     n_entries,
     top_k,
-    num_valid_ptr,  # int32 [1]
-    res_ptr,  # int32 [L*E+1]
-    base,  # l*E
-    num_experts,
-    key_ptr,  # int64 [S]
-    num_slots,
-    clock_ptr,  # int64 [1]
-    cls_ptr,  # int32 [E_PAD] out: 0 unused, 1 hit, 2 miss
-    E_PAD: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    e = tl.arange(0, E_PAD)
-    nv = tl.load(num_valid_ptr)
-    used = tl.zeros([E_PAD], dtype=tl.int32)
-    for start in range(0, n_entries, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        m = (offs < n_entries) & ((offs // top_k) < nv)
-        ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
-        eq = (ids[:, None] == e[None, :]).to(tl.int32)
-        used = tl.maximum(used, tl.max(eq, axis=0))
-    em = e < num_experts
-    res = tl.load(res_ptr + base + e, mask=em, other=-1)
-    hit = (used > 0) & (res >= 0) & em
-    miss = (used > 0) & (res < 0) & em
-    now = tl.load(clock_ptr) + 1
-    tl.store(clock_ptr, now)
-    slot = res.to(tl.int64)
-    tl.store(key_ptr + slot, now * num_slots + slot, mask=hit)
-    cls = tl.where(hit, 1, tl.where(miss, 2, 0))
-    tl.store(cls_ptr + e, cls, mask=em)
-
-
-@triton.jit
-def _assign(
-    cls_ptr,  # int32 [E_PAD]
-    cand_ptr,  # int64 [K] slots, least recently used first
+    num_valid_ptr,  # int [1]
     res_ptr,  # int32 [L*E+1]
     owner_ptr,  # int32 [S+1]
     key_ptr,  # int64 [S]
     num_slots,
-    base,
+    base,  # l*E
     num_experts,
     clock_ptr,  # int64 [1]
     src_ptr,  # int32 [K] out
@@ -73,29 +42,58 @@ def _assign(
     ordinal,
     num_layers,
     E_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SLOT_BLOCK: tl.constexpr,
 ):
     e = tl.arange(0, E_PAD)
+    nv = tl.load(num_valid_ptr)
+    used = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, n_entries, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inb = offs < n_entries
+        valid = inb & ((offs // top_k) < nv)
+        ids = tl.load(ids_ptr + offs, mask=inb, other=0)
+        row0 = tl.load(ids_ptr + (offs % top_k), mask=inb, other=0)
+        tl.store(ids_out_ptr + offs, tl.where(valid, ids, row0), mask=inb)
+        ids32 = tl.where(valid, ids.to(tl.int32), -1)
+        eq = (ids32[:, None] == e[None, :]).to(tl.int32)
+        used = tl.maximum(used, tl.max(eq, axis=0))
     em = e < num_experts
-    cls = tl.load(cls_ptr + e, mask=em, other=0)
-    hit = cls == 1
-    miss = cls == 2
+    res = tl.load(res_ptr + base + e, mask=em, other=-1)
+    hit = (used > 0) & (res >= 0) & em
+    miss = (used > 0) & (res < 0) & em
+    now = tl.load(clock_ptr) + 1
+    tl.store(clock_ptr, now)
+    S = num_slots
+    slot = res.to(tl.int64)
+    # Stamp the hits first: no slot used by this call can be a victim.
+    tl.store(key_ptr + slot, now * S + slot, mask=hit)
     missi = miss.to(tl.int32)
     rank = tl.cumsum(missi, axis=0) - 1
-    victim = tl.load(cand_ptr + rank, mask=miss, other=0).to(tl.int32)
-    old = tl.load(owner_ptr + victim, mask=miss, other=-1)
-    evicted = miss & (old >= 0)
-    flat = base + e
-    tl.store(res_ptr + old, -1, mask=evicted)
-    tl.store(res_ptr + flat, victim, mask=miss)
-    tl.store(owner_ptr + victim, flat, mask=miss)
-    now = tl.load(clock_ptr)
-    v64 = victim.to(tl.int64)
-    tl.store(key_ptr + v64, now * num_slots + v64, mask=miss)
-    tl.store(src_ptr + rank, flat, mask=miss)
-    tl.store(dst_ptr + rank, victim, mask=miss)
     n_miss = tl.sum(missi, axis=0)
     n_hit = tl.sum(hit.to(tl.int32), axis=0)
-    n_evict = tl.sum(evicted.to(tl.int32), axis=0)
+    n_evict = n_miss * 0
+    tl.debug_barrier()
+    for i in range(0, n_miss):
+        # The least recently used slot: the smallest key (keys are unique).
+        kmin = tl.load(key_ptr)
+        for s0 in range(0, S, SLOT_BLOCK):
+            so = s0 + tl.arange(0, SLOT_BLOCK)
+            keys = tl.load(key_ptr + so, mask=so < S, other=now * S + S)
+            kmin = tl.minimum(kmin, tl.min(keys, axis=0))
+        v = ((kmin % S) + S) % S
+        # The i-th miss, in expert order.
+        ex = tl.sum(tl.where(miss & (rank == i), e, 0), axis=0)
+        flat = base + ex
+        old = tl.load(owner_ptr + v)
+        tl.store(res_ptr + tl.maximum(old, 0), -1, mask=old >= 0)
+        n_evict += (old >= 0).to(tl.int32)
+        tl.store(res_ptr + flat, v.to(tl.int32))
+        tl.store(owner_ptr + v, flat)
+        tl.store(key_ptr + v, now * S + v)
+        tl.store(src_ptr + i, flat)
+        tl.store(dst_ptr + i, v.to(tl.int32))
+        tl.debug_barrier()
     tl.store(count_ptr, n_miss)
     c = counters_ptr + ordinal
     tl.store(c, tl.load(c) + (n_hit + n_miss).to(tl.int64))
@@ -107,6 +105,16 @@ def _assign(
     tl.store(c, tl.load(c) + n_evict.to(tl.int64))
 
 
+@triton.jit
+def _remap_kernel(expert_ids_ptr, n, layer_slots_ptr, num_experts, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(expert_ids_ptr + offs, mask=m, other=-1)
+    ok = m & (x >= 0) & (x < num_experts)
+    slot = tl.load(layer_slots_ptr + tl.where(ok, x, 0), mask=ok, other=0)
+    tl.store(expert_ids_ptr + offs, tl.maximum(slot, 0).to(x.dtype), mask=ok)
+
+
 def decide_triton(
     state: ResidencyState,
     counters: torch.Tensor,
@@ -114,46 +122,29 @@ def decide_triton(
     num_experts: int,
     topk_ids: torch.Tensor,
     num_valid: torch.Tensor,
-) -> FillPlan:
-    """``freetoken_sglang.residency.decide`` with the kernels above (same arguments and
-    result). Works on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``."""
+):
+    """``freetoken_sglang.residency.decide`` in one kernel launch (same arguments and
+    results). Works on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``."""
     t, k = topk_ids.shape
     E = num_experts
     K = max_unique_experts(t, k, E)
-    e_pad = triton.next_power_of_2(E)
     device = topk_ids.device
-    ids = topk_ids.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
-    cls = torch.empty(e_pad, dtype=torch.int32, device=device)
-    base = ordinal * E
-    _classify[(1,)](
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    ids_out = torch.empty_like(ids)
+    src = torch.empty(K, dtype=torch.int32, device=device)
+    dst = torch.empty(K, dtype=torch.int32, device=device)
+    count = torch.empty(1, dtype=torch.int32, device=device)
+    _decide_kernel[(1,)](
         ids,
+        ids_out,
         t * k,
         k,
         num_valid,
         state.residency,
-        base,
-        E,
-        state.key,
-        state.num_slots,
-        state.clock,
-        cls,
-        E_PAD=e_pad,
-        BLOCK=_BLOCK,
-    )
-    cand = torch.topk(state.key, min(K, state.num_slots), largest=False, sorted=True).indices
-    src = torch.empty(K, dtype=torch.int32, device=device)
-    dst = torch.empty(K, dtype=torch.int32, device=device)
-    count = torch.empty(1, dtype=torch.int32, device=device)
-    _assign[(1,)](
-        cls,
-        cand,
-        state.residency,
         state.owner,
         state.key,
         state.num_slots,
-        base,
+        ordinal * E,
         E,
         state.clock,
         src,
@@ -162,6 +153,19 @@ def decide_triton(
         counters,
         ordinal,
         counters.shape[1],
-        E_PAD=e_pad,
+        E_PAD=triton.next_power_of_2(E),
+        BLOCK=_BLOCK,
+        SLOT_BLOCK=_SLOT_BLOCK,
+        num_warps=4,
     )
-    return FillPlan(src=src, dst=dst, count=count)
+    return FillPlan(src=src, dst=dst, count=count), ids_out
+
+
+def remap_expert_ids_(expert_ids: torch.Tensor, layer_slots: torch.Tensor) -> None:
+    """Rewrite, in place, the per-block local expert ids of SGLang's token alignment into
+    slot ids (``layer_slots[e]``); negative ids (unused blocks) stay as they are."""
+    n = expert_ids.numel()
+    block = 256
+    _remap_kernel[(triton.cdiv(n, block),)](
+        expert_ids, n, layer_slots, layer_slots.numel(), BLOCK=block
+    )

@@ -9,13 +9,26 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# Must precede any sglang / triton import in this process.
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch  # noqa: E402  (imports no Triton kernel)
+
+# Must precede any sglang / triton import in this process. Without a GPU, SGLang runs on the
+# CPU and Triton kernels run in Triton's interpreter.
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-for p in (os.path.join(HERE, "stubs"), HERE):
+# The stand-in sgl_kernel only where the real one cannot load (no GPU).
+for p in ([HERE] if ON_GPU else [os.path.join(HERE, "stubs"), HERE]):
     if p not in sys.path:
         sys.path.insert(0, p)
+
+# Tests that run Triton kernels on CPU tensors need the interpreter.
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="runs Triton kernels on CPU tensors (TRITON_INTERPRET=1); tests/test_gpu.py "
+    "covers them on CUDA",
+)
 
 
 @pytest.fixture(scope="session")

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from conftest import needs_interpreter
+
 from freetoken_sglang.fill import Filler
 from freetoken_sglang.residency import FillPlan
 
 
+@needs_interpreter
 def test_copy_rows_kernel_copies_only_counted_rows():
     from freetoken_sglang.kernels.fill import copy_rows
 
