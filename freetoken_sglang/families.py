@@ -88,6 +88,26 @@ def family_of(hf_config) -> tuple:
     return SUPPORTED[arch]
 
 
+def check_model_path(model_path: str, trust_remote_code: bool = False, revision=None) -> None:
+    """Refuse an unsupported model from its config alone, before any process starts.
+
+    A config that cannot be read here (e.g. a hub id with no network) is left to the check
+    the scheduler makes when it loads the model (``FreeTokenRuntime``).
+
+    Raises:
+        UnsupportedModelError: as ``family_of``.
+    """
+    try:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(
+            model_path, trust_remote_code=trust_remote_code, revision=revision
+        )
+    except Exception:
+        return
+    family_of(hf_config)
+
+
 def moe_layer_ids(hf_config) -> List[int]:
     """The transformer layer ids that build a ``FusedMoE``, in order."""
     _, rule = family_of(hf_config)

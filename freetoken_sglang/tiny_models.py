@@ -317,9 +317,9 @@ def build_tiny_checkpoint(
         pad_id=tok.convert_tokens_to_ids("<|endoftext|>"),
     )
     config = _BUILDERS[family](shape, common)
-    config.torch_dtype = dtype
+    config.dtype = dtype
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:

@@ -5,8 +5,9 @@
   fields, into the constructor.
 - ``ServerArgs.__init__`` (around): takes ``enable_freetoken`` / ``freetoken_*`` keywords
   (so ``sglang.Engine(enable_freetoken=True, freetoken_cache_ratio=0.25)`` works), applies
-  the ServerArgs changes the mode needs before SGLang's ``__post_init__``, and stores the
-  config as ``server_args.freetoken`` (pickled with it to the scheduler processes).
+  the ServerArgs changes the mode needs before SGLang's ``__post_init__``, refuses an
+  unsupported model before any process starts, and stores the config as
+  ``server_args.freetoken`` (pickled with it to the scheduler processes).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def server_args_init(original, self, *args, **kwargs):
         check_hooks_applied()
         kwargs = ft_config.apply_server_args_overrides(kwargs)
     original(self, *args, **kwargs)
+    if cfg is not None:
+        from freetoken_sglang.families import check_model_path
+
+        check_model_path(self.model_path, self.trust_remote_code, self.revision)
     # ServerArgs is read-only once resolved; the config is an extension attribute, not a
     # resolved SGLang field, so it is set past that guard.
     object.__setattr__(self, ft_config.SERVER_ARGS_ATTR, cfg)

@@ -105,10 +105,65 @@ def check_pool_layout(model_path: str, **kw) -> dict:
 
 
 
-CHECKS = {"pool_layout": check_pool_layout}
+def check_engine(model_path: str, **kw) -> dict:
+    """``sglang.Engine(..., enable_freetoken=True, freetoken_*=...)``: generate and read the
+    counters through ``get_server_info``."""
+    import sglang as sgl
 
-if __name__ == "__main__":
+    engine = sgl.Engine(
+        model_path=model_path,
+        device="cpu",
+        attention_backend="torch_native",
+        sampling_backend="pytorch",
+        disable_cuda_graph=True,
+        dtype="float32",
+        max_total_tokens=2048,
+        max_running_requests=4,
+        skip_server_warmup=True,
+        enable_freetoken=True,
+        **kw,
+    )
+    try:
+        out = engine.generate(
+            input_ids=[[5, 6, 7, 8], [9, 10, 11]],
+            sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
+        )
+        stats = engine.get_server_info()["internal_states"][0]["freetoken"]
+    finally:
+        engine.shutdown()
+    return {"output_ids": [o["output_ids"] for o in out], "stats": stats}
+
+
+CHECKS = {"pool_layout": check_pool_layout, "engine": check_engine}
+
+def run_check(check: str, model_path: str, **kw) -> dict:
+    """Run ``check`` in a fresh Python process and return its JSON result.
+
+    Raises:
+        AssertionError: the process failed; the message holds its output.
+    """
+    import subprocess
+
+    from sglang_cpu import cpu_env
+
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), check, model_path, json.dumps(kw)],
+        env=cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> None:
     check, path = sys.argv[1], sys.argv[2]
     kwargs = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     result = CHECKS[check](path, **kwargs)
-    print("RESULT " + json.dumps(result))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":  # Engine spawns processes: keep the entry point importable
+    main()

@@ -3,19 +3,13 @@ straight into it, and the pinning fallback."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import subprocess
-import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from freetoken_sglang.pool import BankSpec, HostExpertPool, bank_specs_for_layer
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from inproc import run_check
 
 
 def make_pool(layers=(1, 2, 4), E=3):
@@ -73,27 +67,12 @@ def test_pin_refused_falls_back_to_pageable(monkeypatch, caplog):
     assert "refused to pin" in caplog.text and "ulimit -l" in caplog.text
 
 
-def run_inproc(check, model_path, **kw):
-    from sglang_cpu import cpu_env
-
-    out = subprocess.run(
-        [sys.executable, os.path.join(HERE, "inproc.py"), check, model_path, json.dumps(kw)],
-        env=cpu_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
-
-
 @pytest.mark.parametrize(
     "family,first_moe_layer", [("qwen3_moe", 0), ("mixtral", 0), ("deepseek_v2", 1)]
 )
 def test_loaded_pool_rows_hold_the_checkpoint_experts(tiny_checkpoint, family, first_moe_layer):
     path = tiny_checkpoint(family)
-    r = run_inproc("pool_layout", path, freetoken_cache_ratio=0.5)
+    r = run_check("pool_layout", path, freetoken_cache_ratio=0.5)
     assert r["moe_layer_ids"][0] == first_moe_layer
     assert r["checked"] == r["rows"] * 3  # gate, up and down of every expert
     assert r["mismatches"] == []

@@ -1,0 +1,88 @@
+"""Start-up limits and errors of ``--enable-freetoken`` on a real CPU-run server: a cache too
+small for one layer is refused with the minimum, an unsupported or quantized model fails
+naming itself, a cache as large as the pool makes every expert resident (no fills), and the
+``sglang.Engine`` keyword form works."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import requests
+
+from inproc import run_check
+from sglang_cpu import run_launch_server_expecting_failure, start_server
+
+
+def test_cache_smaller_than_one_layer_is_refused_with_the_minimum(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe")  # 8 experts per layer
+    out = run_launch_server_expecting_failure(
+        path, ["--enable-freetoken", "--freetoken-cache-slots", "5"]
+    )
+    log = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert "would hold 5 slots, but at least 8 are needed" in log
+    assert "--freetoken-cache-slots 8" in log
+
+
+def test_unsupported_architecture_fails_at_start(tiny_dir):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = str(tiny_dir / "dense-llama")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        cfg = LlamaConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2,
+        )
+        LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
+    out = run_launch_server_expecting_failure(path, ["--enable-freetoken"])
+    log = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert "does not support the architecture ['LlamaForCausalLM']" in log
+
+
+def test_quantized_checkpoint_fails_at_start(tiny_checkpoint, tiny_dir):
+    src = tiny_checkpoint("qwen3_moe")
+    path = str(tiny_dir / "qwen3-moe-fp8-config")
+    shutil.copytree(src, path, dirs_exist_ok=True)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    out = run_launch_server_expecting_failure(path, ["--enable-freetoken"])
+    log = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert "does not support quantized checkpoints yet" in log and "'fp8'" in log
+
+
+def test_cache_as_large_as_the_pool_keeps_every_expert_resident(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("mixtral")
+    server = start_server(
+        path, ["--enable-freetoken", "--freetoken-cache-ratio", "1.5"],
+        log_path=str(tmp_path / "server.log"),
+    )
+    try:
+        for prompt in ([5, 6, 7], list(range(20, 80))):
+            r = requests.post(
+                server.url + "/generate",
+                json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 12}},
+                timeout=300,
+            )
+            r.raise_for_status()
+        stats = requests.get(server.url + "/freetoken/stats", timeout=60).json()
+    finally:
+        server.stop()
+    assert stats["cache"]["all_resident"] is True
+    assert stats["cache"]["slots"] == stats["pool"]["experts"]
+    assert stats["total"]["reads"] > 0
+    assert stats["total"]["fills"] == 0 and stats["total"]["evictions"] == 0
+    assert stats["total"]["hits"] == stats["total"]["reads"]
+
+
+def test_engine_keywords(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe")
+    r = run_check("engine", path, freetoken_cache_slots=8)
+    assert [len(o) for o in r["output_ids"]] == [8, 8]
+    assert r["stats"]["cache"]["slots"] == 8
+    assert r["stats"]["total"]["reads"] > 0
