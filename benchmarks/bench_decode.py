@@ -17,98 +17,16 @@ import json
 import os
 import random
 import re
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import requests
 
-SHAPES = {
-    # Qwen3-30B-A3B (config of Qwen/Qwen3-30B-A3B): 48 layers, 128 experts, top-8.
-    "qwen3-30b-a3b": {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "hidden_size": 2048,
-        "intermediate_size": 6144,
-        "moe_intermediate_size": 768,
-        "num_hidden_layers": 48,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "vocab_size": 151936,
-        "max_position_embeddings": 40960,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
-    },
-}
-
-
-def write_shape(name: str, root: str) -> str:
-    path = os.path.join(root, name)
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(SHAPES[name], f, indent=1)
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class GpuMemorySampler:
-    """Samples ``nvidia-smi`` memory.used (MiB) of GPU 0 in a thread; ``peak()`` since the
-    last ``reset()``."""
-
-    def __init__(self, interval: float = 0.25):
-        self.interval = interval
-        self._peak = 0
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self):
-        while not self._stop.is_set():
-            try:
-                out = subprocess.run(
-                    ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                    capture_output=True, text=True, timeout=5,
-                ).stdout.strip()
-                self._peak = max(self._peak, int(out.splitlines()[0]))
-            except Exception:
-                pass
-            self._stop.wait(self.interval)
-
-    def reset(self):
-        self._peak = 0
-
-    def peak_gib(self) -> float:
-        return self._peak / 1024
-
-    def close(self):
-        self._stop.set()
-        self._t.join(timeout=5)
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from servers import SHAPES, GpuMemorySampler, Server, freetoken_stats, write_shape  # noqa: E402
 
 def stream_generate(url: str, input_ids: List[int], new_tokens: int) -> Dict[str, float]:
     """One streamed request; returns TTFT (s), decode tok/s over the tokens after the first,
@@ -146,35 +64,20 @@ def stream_generate(url: str, input_ids: List[int], new_tokens: int) -> Dict[str
 
 
 def run_system(label, model_path, flags, args, sampler, log_dir) -> Dict[str, object]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [
-        sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-        "--load-format", "dummy", "--skip-tokenizer-init", "--port", str(port),
+    """Start one system, measure it, stop it."""
+    flags = [
+        "--load-format", "dummy", "--skip-tokenizer-init",
         "--attention-backend", "triton", "--sampling-backend", "pytorch",
         "--cuda-graph-max-bs", str(args.max_bs), "--max-running-requests", str(args.max_bs),
         "--context-length", str(args.context_length), "--skip-server-warmup",
         *args.common.split(), *flags,
     ]
-    log_path = os.path.join(log_dir, f"{label}.log")
-    log = open(log_path, "w")
     sampler.reset()
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    result: Dict[str, object] = {"label": label, "flags": " ".join(flags), "log": log_path}
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{label} exited: " + open(log_path).read()[-3000:])
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.time() - t0 > args.start_timeout:
-                raise RuntimeError(f"{label} not healthy after {args.start_timeout} s")
-            time.sleep(0.5)
-        result["startup_s"] = time.time() - t0
+    result: Dict[str, object] = {"label": label, "flags": " ".join(flags)}
+    with Server(model_path, flags, os.path.join(log_dir, f"{label}.log"),
+                timeout=args.start_timeout) as server:
+        url = server.url
+        result["startup_s"] = server.startup_s
         result["peak_gpu_gib_load"] = sampler.peak_gib()
         rng = random.Random(0)
         prompt = lambda: [rng.randrange(1000, 100000) for _ in range(args.input_len)]
@@ -190,32 +93,21 @@ def run_system(label, model_path, flags, args, sampler, log_dir) -> Dict[str, ob
         result["bs4_decode_tok_s_per_req"] = sum(r["decode_tok_s"] for r in b4) / 4
         result["bs4_total_tok_s"] = sum(r["tokens"] for r in b4) / wall
         result["peak_gpu_gib_serving"] = sampler.peak_gib()
-        try:
-            stats = requests.get(url + "/freetoken/stats", timeout=30)
-            if stats.status_code == 200:
-                s = stats.json()
-                result["freetoken"] = {
-                    "total": s["total"],
-                    "cache_slots": s["cache"]["slots"],
-                    "pool_experts": s["pool"]["experts"],
-                    "load": s["load"],
-                }
-        except requests.RequestException:
-            pass
-        text = open(log_path).read()
-        m = re.search(r"Peak GPU memory during load: ([0-9.]+) GiB", text)
+        s = freetoken_stats(url)
+        if s is not None:
+            result["freetoken"] = {
+                "total": s["total"],
+                "decode": s.get("decode"),
+                "cache_slots": s["cache"]["slots"],
+                "pool_experts": s["pool"]["experts"],
+                "miss_policy": s.get("miss_policy"),
+                "bandwidth": s.get("bandwidth"),
+                "load": s["load"],
+            }
+        m = re.search(r"Peak GPU memory during load: ([0-9.]+) GiB", server.log())
         if m:
             result["torch_peak_gib_during_load"] = float(m.group(1))
-        m = re.search(r"Load weight end\..*?mem usage=([0-9.]+) GB", text)
-        if m:
-            result["sglang_weight_gb"] = float(m.group(1))
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        result["sglang_weight_gb"] = server.weights_gb()
     return result
 
 
@@ -232,7 +124,7 @@ def table(results: List[Dict[str, object]]) -> str:
     lines = ["| system | " + " | ".join(c[1] for c in cols) + " | bs1 ratio vs " + base["label"] + " | hit rate |"]
     lines.append("|" + "---|" * (len(cols) + 3))
     for r in results:
-        cells = [f"{r.get(k, float('nan')):.2f}" for k, _ in cols]
+        cells = [f"{r.get(k) if r.get(k) is not None else float('nan'):.2f}" for k, _ in cols]
         ratio = r.get("bs1_decode_tok_s", float("nan")) / base.get("bs1_decode_tok_s", float("nan"))
         hit = r.get("freetoken", {}).get("total", {}).get("hit_rate")
         lines.append(

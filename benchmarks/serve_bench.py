@@ -50,7 +50,7 @@ except ImportError:  # run as a script: benchmarks/ is sys.path[0]
     import workloads as wl  # type: ignore[no-redef]
 
 STATS_ROUTE = "/freetoken/stats"
-COUNTERS = ("reads", "hits", "fills", "evictions")
+COUNTERS = ("reads", "hits", "fills", "evictions", "cpu")
 
 
 # ---------------------------------------------------------------------------------------
@@ -103,19 +103,27 @@ def freetoken_stats(base_url: str) -> Optional[dict]:
 
 
 def stats_delta(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
-    """Counter differences ``after - before`` (reads, hits, fills, evictions; in total and
-    per layer) and the window's hit rate (hits / reads). None if either is missing."""
+    """Counter differences ``after - before`` (reads, hits, fills, evictions, cpu; in total,
+    per phase (decode / prefill) and per layer) and the window's hit rate (hits / reads).
+    None if either is missing."""
     if before is None or after is None:
         return None
-    total = {f: int(after["total"].get(f, 0)) - int(before["total"].get(f, 0)) for f in COUNTERS}
-    total["hit_rate"] = total["hits"] / total["reads"] if total["reads"] else None
+
+    def diff(key):
+        a, b = after.get(key) or {}, before.get(key) or {}
+        d = {f: int(a.get(f, 0)) - int(b.get(f, 0)) for f in COUNTERS}
+        d["hit_rate"] = d["hits"] / d["reads"] if d["reads"] else None
+        return d
+
+    total = diff("total")
+    phases = {p: diff(p) for p in ("decode", "prefill") if p in after}
     prev = {l.get("layer_id"): l for l in before.get("layers", [])}
     layers = []
     for l in after.get("layers", []):
         p = prev.get(l.get("layer_id"), {})
         layers.append({"layer_id": l.get("layer_id"),
                        **{f: int(l.get(f, 0)) - int(p.get(f, 0)) for f in COUNTERS}})
-    return {"total": total, "layers": layers}
+    return {"total": total, **phases, "layers": layers}
 
 
 def flush_cache(base_url: str) -> bool:

@@ -98,18 +98,26 @@ class ExpertCache:
         pool: the host pool (bank shapes and dtypes; source of fills).
         num_slots: S.
         device: the serving device.
+        null_slots: zero rows kept after the S slots (``banks_with_null_slots``), for SGLang's
+            native CPU MoE, which needs distinct expert ids for the entries it must skip.
     """
 
-    def __init__(self, pool: HostExpertPool, num_slots: int, device):
+    def __init__(self, pool: HostExpertPool, num_slots: int, device, null_slots: int = 0):
         self.pool = pool
         self.num_slots = num_slots
         self.device = torch.device(device)
-        self.slot_banks: Dict[str, torch.Tensor] = {
-            name: torch.zeros((num_slots, *spec.shape), dtype=spec.dtype, device=device)
+        self.banks_with_null_slots: Dict[str, torch.Tensor] = {
+            name: torch.zeros(
+                (num_slots + null_slots, *spec.shape), dtype=spec.dtype, device=device
+            )
             for name, spec in pool.specs.items()
         }
+        self.slot_banks: Dict[str, torch.Tensor] = {
+            name: bank[:num_slots] for name, bank in self.banks_with_null_slots.items()
+        }
         self.residency = ResidencyState(pool.num_rows, num_slots, device)
-        self.filler = Filler(pool.banks, pool.device_banks, self.slot_banks)
+        # No slot (the pure-CPU backend): nothing is ever filled.
+        self.filler = Filler(pool.banks, pool.device_banks, self.slot_banks) if num_slots else None
         self.all_resident = num_slots >= pool.num_rows
         if self.all_resident:
             # Warm-up by construction: every expert is copied in once, never again.
@@ -130,6 +138,8 @@ class ExpertCache:
 
     def describe(self) -> str:
         pct = 100.0 * self.num_slots / max(1, self.pool.num_rows)
+        if not self.num_slots:
+            return "none"
         return (
             f"{self.num_slots} slots ({pct:.1f}% of the pool), {self.nbytes / GIB:.2f} GiB "
             f"on {self.device}, fills by {self.filler.mode}"

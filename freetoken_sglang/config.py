@@ -42,6 +42,26 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _bandwidth(text: str):
+    from freetoken_sglang.bandwidth import parse_flag
+
+    try:
+        return parse_flag(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
+def _choice(*options):
+    def parse(text: str) -> str:
+        if text not in options:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice {text!r} (choose from {', '.join(options)})"
+            )
+        return text
+
+    return parse
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -92,6 +112,50 @@ class FreeTokenConfig:
         ),
     )
 
+    miss_policy: str = field(
+        default="qstar",
+        metadata=dict(
+            type=_choice("qstar", "fill", "cpu"),
+            help="How decode-step cache misses are served: qstar (default) fills "
+            "q* = round(m * B_P / B_H) of the m misses over PCIe and runs the rest in place on "
+            "the CPU; fill sends every miss over PCIe; cpu runs every miss on the CPU.",
+        ),
+    )
+    bandwidth: Optional[tuple] = field(
+        default=None,
+        metadata=dict(
+            type=_bandwidth,
+            help="B_P,B_H in GB/s (pinned host-to-GPU fills, CPU executor) instead of the "
+            "measured profile (python -m freetoken_sglang.profile).",
+        ),
+    )
+    backend: str = field(
+        default="gpu",
+        metadata=dict(
+            type=_choice("gpu", "cpu"),
+            help="gpu (default): the GPU expert cache; cpu: every routed expert runs on the CPU "
+            "from pageable host memory, the rest of the model on the GPU (also chosen "
+            "automatically when the pool cannot be pinned).",
+        ),
+    )
+    cpu_threads: Optional[int] = field(
+        default=None,
+        metadata=dict(
+            type=_positive_int,
+            help="Threads of the CPU expert executor (default: one per physical core).",
+        ),
+    )
+
+    record_routing: Optional[str] = field(
+        default=None,
+        metadata=dict(
+            type=str,
+            help="Write every forward step's phase and top-k expert ids per MoE layer to this "
+            ".npz routing trace (freetoken_sglang/routing_trace.py; replay it with "
+            "benchmarks/replay.py). Off by default, and free when off.",
+        ),
+    )
+
     def size_flag(self) -> Optional[str]:
         """The one cache-size flag given, as ``--flag value``, or None."""
         for name in ("cache_gb", "cache_ratio", "cache_slots"):
@@ -132,6 +196,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             type=f.metadata["type"],
             default=f.default,
             help=f.metadata["help"],
+            metavar=f.name.upper(),
         )
 
 
@@ -140,6 +205,8 @@ def _validated(name: str, value: Any) -> Any:
     f = {f.name: f for f in dataclasses.fields(FreeTokenConfig)}[name]
     if value is None:
         return None
+    if isinstance(value, (tuple, list)):
+        value = ",".join(str(v) for v in value)
     try:
         return f.metadata["type"](str(value))
     except argparse.ArgumentTypeError as e:

@@ -119,6 +119,11 @@ def num_routed_experts(hf_config) -> int:
     return _num_experts(hf_config)
 
 
+def expert_intermediate_size(hf_config) -> int:
+    """I: the routed experts' intermediate size (Mixtral and OLMoE use ``intermediate_size``)."""
+    return int(getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size)
+
+
 def top_k(hf_config) -> int:
     return int(hf_config.num_experts_per_tok)
 

@@ -1,14 +1,15 @@
 """Cache fills: copy experts from the host pool into GPU slots, as a FillPlan says (paper §4.1).
 
-Data movement only; ``residency.py`` decides what moves. Three ways, chosen once per cache:
+Data movement only; ``residency.py`` decides what moves. Two ways, chosen once per cache:
 
 - ``uva``: the pool is pinned and mapped; one Triton kernel per bank reads the planned rows
   straight from host memory through unified virtual addressing, with every index and the
   count read on the device. No host sync, so CUDA graphs capture it.
-- ``staged``: the pool is pageable (pinning was refused). The plan is read back to the host
-  (a sync per layer) and each row is copied with ``copy_``. Not capturable.
-- ``local``: pool and cache share a device (the CPU-run SGLang of the tests). Read back and
-  copied like ``staged``; on the CPU the read-back costs nothing.
+- ``local``: pool and cache share a device (the CPU-run SGLang of the tests): the plan is
+  read on the host and each row copied with ``copy_``.
+
+A GPU cache over a pageable pool is not built: the runtime serves every expert on the CPU
+instead (``--freetoken-backend cpu``).
 """
 
 from __future__ import annotations
@@ -45,11 +46,9 @@ class Filler:
         elif device_pool_banks:
             self.mode = "uva"
         else:
-            self.mode = "staged"
-
-    @property
-    def graph_safe(self) -> bool:
-        return self.mode != "staged"
+            raise ValueError(
+                "a GPU expert cache needs the host pool pinned and mapped (HostExpertPool.pin)"
+            )
 
     def run(self, plan: FillPlan) -> None:
         """Copy pool row ``plan.src[i]`` into slot ``plan.dst[i]`` of every bank, for

@@ -84,11 +84,13 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         return None
 
     def apply(self, layer: torch.nn.Module, dispatch_output):
-        """Compute the layer's routed-expert output. No host sync on the CUDA path.
+        """Compute the layer's routed-expert output (paper §3.2): hits run from their slots,
+        q misses are filled and run on the GPU, the other misses run on the CPU at the same
+        time, and the partial outputs are merged. No host sync on the CUDA path.
 
         Args:
             dispatch_output: SGLang's ``StandardDispatchOutput`` (hidden_states ``[T, H]``,
-                standard top-k output with ``topk_ids [T, k]``).
+                standard top-k output with ``topk_ids [T, k]`` and fp32 ``topk_weights``).
 
         Returns:
             ``StandardCombineInput`` with ``[T, H]`` hidden states.
@@ -101,29 +103,54 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         topk_output = dispatch_output.topk_output
         if not TopKOutputChecker.format_is_standard(topk_output):
             topk_output = topk_output.to_standard()
-        hidden_states = dispatch_output.hidden_states
-        topk_ids = topk_output.topk_ids
-        plan, routed_ids = decide(
+        x = dispatch_output.hidden_states
+        split = rt.split_for(x.shape[0])
+        on_cpu = split.fill_ratio < 1.0  # some misses may run on the CPU
+        phase = "decode" if rt.is_decode_sized(x.shape[0]) else "prefill"
+        # The CPU partial is scaled as the GPU partial is: SGLang's Triton runner applies the
+        # routed scaling factor (moe_sum_reduce); its native CPU MoE leaves it to the model
+        # (e.g. DeepseekV2MoE multiplies its output on non-CUDA devices).
+        scale = (self.moe_runner_config.routed_scaling_factor or 1.0) if x.is_cuda else 1.0
+        decision = decide(
             cache.residency,
-            rt.counters.counts,
+            rt.counters.of_phase(phase),
             self.ordinal,
             self.num_experts,
-            topk_ids,
+            topk_output.topk_ids,
+            topk_output.topk_weights,
             rt.num_valid,
+            split,
+            scale,
         )
-        cache.filler.run(plan)
+        if rt.recorder is not None:
+            rt.recorder.record_layer(self.ordinal, topk_output.topk_ids)
+        if on_cpu:
+            rt.cpu_branch.launch(x, decision.cpu)  # copies x before the GPU may overwrite it
+        if cache.filler is not None:
+            cache.filler.run(decision.plan)
         layer_slots = cache.residency.layer_slots(self.ordinal, self.num_experts)
-        if hidden_states.is_cuda:
+        if rt.backend == "cpu":
+            out = torch.zeros_like(x)
+        elif x.is_cuda:
             out = run_on_slots_triton(
                 layer,
-                hidden_states,
+                x,
                 topk_output.topk_weights,
-                routed_ids,
+                decision.routed_ids,
                 layer_slots,
                 cache.slot_banks,
+                skip_negative_ids=on_cpu,
             )
         else:
             out = run_on_slots_native(
-                layer, hidden_states, topk_output, routed_ids, layer_slots, cache.slot_banks
+                layer,
+                x,
+                topk_output,
+                decision.routed_ids,
+                layer_slots,
+                cache.banks_with_null_slots,
+                cache.num_slots,
             )
+        if on_cpu:
+            out = rt.cpu_branch.merge(out)
         return StandardCombineInput(hidden_states=out)

@@ -151,10 +151,11 @@ class HostExpertPool:
                 logger.warning(
                     "FreeToken: the OS refused to pin the %.1f GiB host expert pool "
                     "(cudaHostRegister error %d on bank %s; check `ulimit -l`). The pool "
-                    "stays in pageable memory: cache fills then go through a staging copy "
-                    "at a fraction of PCIe bandwidth and sync the host once per MoE layer, "
-                    "so decode CUDA graphs are turned off. Raise the memlock limit "
-                    "(e.g. `ulimit -l unlimited`) to get the fast path.",
+                    "stays in pageable memory, where the GPU cannot fill from it: every "
+                    "routed expert runs on the CPU instead (the pure-CPU MoE backend), so "
+                    "decode is bound by host memory bandwidth and there is no GPU expert "
+                    "cache. Raise the memlock limit (e.g. `ulimit -l unlimited`) to get the "
+                    "GPU cache back.",
                     self.nbytes / GIB,
                     code,
                     name,

@@ -13,6 +13,8 @@ The state, shared by all MoE layers:
     key        int64 [S]        LRU key of each slot: ``stamp * S + slot``, where ``stamp`` is
                                 the clock value of its last use (-1: never used)
     clock      int64 [1]        advanced once per layer call
+    cpu_stamp  int64 [L*E]      clock value of each expert's last run on the CPU (0: never);
+                                recorded so that a policy can admit it later
 
 LRU order: the victims of a call's fills are the slots with the smallest keys, i.e. the
 least recently used, ties broken by the lowest slot. Experts used by the call are stamped
@@ -26,6 +28,46 @@ from dataclasses import dataclass
 from typing import Tuple
 
 import torch
+
+
+@dataclass(frozen=True)
+class MissSplit:
+    """How a layer call serves its ``m`` misses (paper §3.2, Eq. 4): ``q = min(m,
+    max(min_fill, round(m * fill_ratio)))`` are filled into the cache, the other ``m - q`` run
+    on the CPU. ``fill_ratio = B_P / B_H`` with ``min_fill = 1`` is the q* policy;
+    ``(1, 0)`` fills every miss; ``(0, 0)`` runs every miss on the CPU."""
+
+    fill_ratio: float = 1.0
+    min_fill: int = 0
+
+
+FILL_ALL = MissSplit(1.0, 0)
+
+
+@dataclass
+class CpuWork:
+    """The work items of a layer call's CPU-executed experts: item ``i < count[0]`` adds
+    ``weights[i] * expert_{experts[i]}(x[rows[i]])`` to the layer output. Fixed shapes
+    ``[T*k]``; entries at or past ``count`` are unspecified."""
+
+    rows: torch.Tensor  # int32 [T*k] token rows
+    experts: torch.Tensor  # int32 [T*k] flat expert ids l*E+e
+    weights: torch.Tensor  # fp32 [T*k] router weight x routed scaling factor
+    count: torch.Tensor  # int32 [1]
+
+
+@dataclass
+class LayerDecision:
+    """What ``decide`` returns for one layer call.
+
+    ``routed_ids`` (int [T, k]) are the local expert ids for the GPU compute over slots:
+    padded rows carry row 0's ids, and entries whose expert runs on the CPU are -1 (they
+    contribute nothing on the GPU); every other id is resident.
+    """
+
+    plan: "FillPlan"
+    routed_ids: torch.Tensor
+    cpu: CpuWork
 
 
 @dataclass
@@ -57,6 +99,7 @@ class ResidencyState:
         self.slots = torch.arange(num_slots, dtype=torch.int64, device=device)
         self.key = self.slots - num_slots
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
+        self.cpu_stamp = torch.zeros(num_rows, dtype=torch.int64, device=device)
 
     @property
     def stamp(self) -> torch.Tensor:
@@ -69,6 +112,7 @@ class ResidencyState:
         self.owner.fill_(-1)
         torch.sub(self.slots, self.num_slots, out=self.key)
         self.clock.zero_()
+        self.cpu_stamp.zero_()
 
     def make_all_resident(self) -> None:
         """Slot ``i`` holds flat expert ``i`` for every expert (requires S >= L*E)."""
@@ -115,34 +159,52 @@ def decide(
     ordinal: int,
     num_experts: int,
     topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
     num_valid: torch.Tensor,
-) -> Tuple[FillPlan, torch.Tensor]:
-    """Classify one MoE layer call's routed experts as hits or misses, choose LRU victims for
-    the misses, update the state, and return the fills.
+    split: MissSplit = FILL_ALL,
+    weight_scale: float = 1.0,
+) -> LayerDecision:
+    """Classify one MoE layer call's routed experts as hits or misses, split the misses between
+    cache fills and CPU execution, choose LRU victims for the fills, and update the state.
 
     Args:
         state: the shared residency state.
-        counters: int64 [4, L] per-layer counters (reads, hits, fills, evictions), updated
-            in place (``stats.py``).
+        counters: int64 [5, L] per-layer counters (reads, hits, fills, evictions, cpu),
+            updated in place (``stats.py``).
         ordinal: the layer's MoE ordinal ``l``.
         num_experts: E.
         topk_ids: int [T, k] local expert ids routed to by each row.
+        topk_weights: fp32 [T, k] router weights.
         num_valid: int [1] number of real rows (the rest is graph padding).
+        split: how misses are served (fill every miss for prefill).
+        weight_scale: the layer's routed scaling factor, folded into the CPU items' weights.
 
     Returns:
-        ``(plan, routed_ids)``: the FillPlan of ``K = max_unique_experts(T, k, E)`` entries,
-        and ``topk_ids`` with every padded row given row 0's experts (all resident), for
-        the compute over slots.
+        A LayerDecision: the fills (``K = max_unique_experts(T, k, E)`` entries), the routed
+        ids for the GPU compute and the CPU work items. CPU-executed experts stay out of the
+        cache (their use is recorded in ``state.cpu_stamp``).
 
     On CUDA this is one single-program Triton kernel (``kernels/residency.py``); elsewhere
-    the torch reference below. Both give identical results. Every routed expert of a valid row is resident when this returns; the cache
-    must have ``S >= K`` slots (``cache.py`` checks this at start).
+    the torch reference below. Both give identical results. The cache must have
+    ``S >= K`` slots (``cache.py`` checks this at start).
     """
     if topk_ids.is_cuda:
         from freetoken_sglang.kernels.residency import decide_triton
 
-        return decide_triton(state, counters, ordinal, num_experts, topk_ids, num_valid)
-    return decide_reference(state, counters, ordinal, num_experts, topk_ids, num_valid)
+        return decide_triton(
+            state, counters, ordinal, num_experts, topk_ids, topk_weights, num_valid,
+            split, weight_scale,
+        )
+    return decide_reference(
+        state, counters, ordinal, num_experts, topk_ids, topk_weights, num_valid,
+        split, weight_scale,
+    )
+
+
+def fill_count(num_misses: torch.Tensor, split: MissSplit) -> torch.Tensor:
+    """q of ``MissSplit`` (round half up), as a tensor like ``num_misses``."""
+    q = torch.floor(num_misses.double() * split.fill_ratio + 0.5).to(num_misses.dtype)
+    return torch.minimum(num_misses, q.clamp(min=split.min_fill))
 
 
 def decide_reference(
@@ -151,19 +213,27 @@ def decide_reference(
     ordinal: int,
     num_experts: int,
     topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
     num_valid: torch.Tensor,
-) -> Tuple[FillPlan, torch.Tensor]:
-    """``decide`` in plain torch ops (the CPU path and the kernels' reference)."""
+    split: MissSplit = FILL_ALL,
+    weight_scale: float = 1.0,
+) -> LayerDecision:
+    """``decide`` in plain torch ops (the CPU path and the kernel's reference)."""
     device = topk_ids.device
     S = state.num_slots
     E = num_experts
-    K = max_unique_experts(topk_ids.shape[0], topk_ids.shape[1], E)
+    T, k = topk_ids.shape
+    K = max_unique_experts(T, k, E)
     base = ordinal * E
 
     used = used_experts(topk_ids, num_valid, E)
     layer_res = state.layer_slots(ordinal, E)
     hit = used & (layer_res >= 0)
     miss = used & (layer_res < 0)
+    rank = torch.cumsum(miss.int(), 0) - 1
+    q = fill_count(miss.sum().int(), split)
+    fill = miss & (rank < q)
+    cpu = miss & (rank >= q)
 
     state.clock.add_(1)
     now = state.clock  # [1]
@@ -176,37 +246,55 @@ def decide_reference(
 
     # The K least recently used slots, oldest first (keys are unique).
     cand = torch.topk(state.key, min(K, S), largest=False, sorted=True).indices
+    if cand.numel() == 0:  # no slot at all (the pure-CPU backend): nothing is filled
+        cand = torch.full((1,), S, dtype=torch.int64, device=device)
 
-    # The i-th miss (in expert order) takes the i-th candidate.
-    rank = torch.cumsum(miss.int(), 0) - 1
+    # The i-th filled miss (in expert order) takes the i-th candidate.
     victim = cand[rank.clamp(0, cand.numel() - 1)]
-    victim = torch.where(miss, victim, S).int()  # S: the owner table's sink entry
+    victim = torch.where(fill, victim, S).int()  # S: the owner table's sink entry
     old = state.owner[victim.long()]
-    evicted = miss & (old >= 0)
+    evicted = fill & (old >= 0)
     sink_row = state.num_rows
     state.residency.index_fill_(0, torch.where(evicted, old, sink_row).long(), -1)
     flat = torch.arange(base, base + E, device=device, dtype=torch.int32)
-    state.residency[base : base + E] = torch.where(miss, victim, layer_res)
-    state.owner.index_copy_(0, victim.long(), torch.where(miss, flat, -1))
+    state.residency[base : base + E] = torch.where(fill, victim, layer_res)
+    state.owner.index_copy_(0, victim.long(), torch.where(fill, flat, -1))
     state.residency[sink_row] = -1
     state.owner[S] = -1
     key_ext = torch.cat([state.key, state.key.new_zeros(1)])
     key_ext.index_copy_(0, victim.long(), now * S + victim.long())
     state.key.copy_(key_ext[:S])
+    layer_cpu_stamp = state.cpu_stamp[base : base + E]
+    layer_cpu_stamp.copy_(torch.where(cpu, now, layer_cpu_stamp))
 
-    # Fill list: compact the misses to the front, in expert order.
-    pos = torch.where(miss, rank, K).long()
+    # Fill list: compact the filled misses to the front, in expert order.
+    pos = torch.where(fill, rank, K).long()
     src = torch.zeros(K + 1, dtype=torch.int32, device=device)
     dst = torch.zeros(K + 1, dtype=torch.int32, device=device)
     src.index_copy_(0, pos, flat)
     dst.index_copy_(0, pos, victim)
-    count = miss.sum().int().reshape(1)
+    count = fill.sum().int().reshape(1)
 
-    n_used = used.sum()
-    n_hit = hit.sum()
-    n_miss = count[0].long()
-    n_evict = evicted.sum()
-    counters[:, ordinal] += torch.stack([n_used, n_hit, n_miss, n_evict]).long()
-    rows = torch.arange(topk_ids.shape[0], device=device).unsqueeze(1)
-    routed = torch.where(rows < num_valid.to(rows.dtype), topk_ids, topk_ids[:1])
-    return FillPlan(src=src[:K], dst=dst[:K], count=count), routed
+    counters[:, ordinal] += torch.stack(
+        [used.sum(), hit.sum(), fill.sum(), evicted.sum(), cpu.sum()]
+    ).long()
+
+    # Routing for the GPU compute, and the CPU work items (row-major order).
+    rows = torch.arange(T, device=device).unsqueeze(1)
+    valid = rows < num_valid.to(rows.dtype)
+    routed = torch.where(valid, topk_ids, topk_ids[:1])
+    on_cpu = cpu[routed.long()]
+    routed = torch.where(on_cpu, -1, routed).to(topk_ids.dtype)
+    emit = (on_cpu & valid).reshape(-1)
+    n = int(emit.sum())
+    idx = emit.nonzero().squeeze(1)
+    work = CpuWork(
+        rows=torch.zeros(T * k, dtype=torch.int32, device=device),
+        experts=torch.zeros(T * k, dtype=torch.int32, device=device),
+        weights=torch.zeros(T * k, dtype=torch.float32, device=device),
+        count=torch.tensor([n], dtype=torch.int32, device=device),
+    )
+    work.rows[:n] = (idx // k).int()
+    work.experts[:n] = (topk_ids.reshape(-1)[idx] + base).int()
+    work.weights[:n] = topk_weights.reshape(-1)[idx].float() * weight_scale
+    return LayerDecision(FillPlan(src=src[:K], dst=dst[:K], count=count), routed, work)

@@ -271,6 +271,26 @@ class RoutingTraceWriter:
     def num_steps(self) -> int:
         return len(self._phase)
 
+    def flush(self) -> None:
+        """Write the steps so far (the file is replaced atomically); the writer stays open."""
+        if self._closed:
+            raise RuntimeError("RoutingTraceWriter.flush after close()")
+        self._write(self.path)
+
+    def _write(self, path: str) -> None:
+        if self._ids:
+            ids = np.concatenate(self._ids, axis=0)
+            self._ids = [ids]
+        else:
+            ids = np.zeros((0, self.num_layers, self.top_k), dtype=self._dtype)
+        trace = RoutingTrace(
+            np.asarray(self._phase, dtype=np.uint8), np.asarray(self._ntok, dtype=np.int32),
+            ids, self.num_experts, meta=self.meta,
+        )
+        tmp = path + ".tmp.npz"
+        trace.save(tmp)
+        os.replace(tmp, path)
+
     def close(self) -> None:
         """Write the file (once; later calls do nothing)."""
         if self._closed:

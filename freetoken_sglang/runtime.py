@@ -14,10 +14,15 @@ from typing import Dict, List, Optional
 import torch
 
 from freetoken_sglang import families
-from freetoken_sglang.cache import ExpertCache, resolve_num_slots
+from freetoken_sglang.cache import CacheSize, ExpertCache, resolve_num_slots
 from freetoken_sglang.config import SERVER_ARGS_ATTR, FreeTokenConfig
+from freetoken_sglang.miss_policy import MissPolicy
 from freetoken_sglang.pool import GIB, BankSpec, HostExpertPool, pool_fits_host
+from freetoken_sglang.residency import MissSplit
 from freetoken_sglang.stats import ExpertCounters
+
+# The pure-CPU backend: no slot, every routed expert on the CPU, whatever the batch size.
+CPU_ONLY = MissSplit(0.0, 0)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +66,14 @@ class FreeTokenRuntime:
         self.cache: Optional[ExpertCache] = None
         self.counters: Optional[ExpertCounters] = None
         self.layers: Dict[int, object] = {}
+        self.backend = config.backend
+        self.policy: Optional[MissPolicy] = None
+        self.bandwidth = None
+        self.executor = None
+        self.cpu_branch = None
+        self.recorder = None
+        self.act_dtype = model_runner.model_config.dtype
+        self.model_path = model_runner.server_args.model_path
         # Real rows of the current forward; rows past it are graph padding.
         self.num_valid = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.load_report: Dict[str, float] = {}
@@ -100,7 +113,8 @@ class FreeTokenRuntime:
         self.layers[layer.layer_id] = method
 
     def finish_load(self, model_runner, load_seconds: float, peak_load_bytes: int) -> None:
-        """Pin the pool, size and allocate the cache, and log what was built.
+        """Pin the pool, choose the backend and miss policy, size and allocate the cache, and
+        start the CPU executor; log what was built.
 
         Raises:
             UnsupportedModelError: not every MoE layer was built through FreeToken.
@@ -112,31 +126,54 @@ class FreeTokenRuntime:
                 f"{self.family}: FreeToken served the MoE layers {built}, but the model "
                 f"has MoE layers {self.moe_layer_ids}"
             )
-        t0 = time.perf_counter()
-        pinned = self.pool.pin() if self.device.type == "cuda" else False
-        pin_s = time.perf_counter() - t0
-
         sa = model_runner.server_args
         max_tokens = max(sa.max_prefill_tokens or 0, sa.chunked_prefill_size or 0, 1)
-        min_slots = min(self.num_experts, max_tokens * self.top_k)
-        reason = (
-            f"one MoE layer's worst case: min(E={self.num_experts}, max tokens per "
-            f"forward {max_tokens} x top-k {self.top_k})"
-        )
-        free_bytes = slack = None
-        if self.device.type == "cuda":
-            free_bytes = torch.cuda.mem_get_info(self.device)[0]
-            before_gb = getattr(model_runner, "pre_model_load_memory", None)
-            if before_gb is None:
-                before_gb = torch.cuda.get_device_properties(self.device).total_memory / GIB
-            slack = int(before_gb * GIB * (1 - sa.mem_fraction_static))
-        size = resolve_num_slots(
-            self.config, self.pool, min_slots, reason, free_bytes, slack or 0
-        )
+        t0 = time.perf_counter()
+        pinned = False
+        if self.device.type == "cuda" and self.backend == "gpu":
+            pinned = self.pool.pin()
+            if not pinned:
+                self.backend = "cpu"  # the warning of pin() says what this costs
+        pin_s = time.perf_counter() - t0
+
+        if self.backend == "cpu":
+            size = CacheSize(0, "--freetoken-backend cpu: no GPU expert cache")
+        else:
+            min_slots = min(self.num_experts, max_tokens * self.top_k)
+            reason = (
+                f"one MoE layer's worst case: min(E={self.num_experts}, max tokens per "
+                f"forward {max_tokens} x top-k {self.top_k})"
+            )
+            free_bytes = slack = None
+            if self.device.type == "cuda":
+                free_bytes = torch.cuda.mem_get_info(self.device)[0]
+                before_gb = getattr(model_runner, "pre_model_load_memory", None)
+                if before_gb is None:
+                    before_gb = (
+                        torch.cuda.get_device_properties(self.device).total_memory / GIB
+                    )
+                slack = int(before_gb * GIB * (1 - sa.mem_fraction_static))
+            size = resolve_num_slots(
+                self.config, self.pool, min_slots, reason, free_bytes, slack or 0
+            )
         t1 = time.perf_counter()
-        self.cache = ExpertCache(self.pool, size.num_slots, self.device)
+        null_slots = self.top_k if self.device.type == "cpu" else 0
+        self.cache = ExpertCache(self.pool, size.num_slots, self.device, null_slots)
         self.counters = ExpertCounters(self.moe_layer_ids, self.device)
         alloc_s = time.perf_counter() - t1
+        self._start_cpu_side(max_tokens)
+        if self.config.record_routing:
+            from freetoken_sglang.routing_recorder import RoutingRecorder
+
+            self.recorder = RoutingRecorder(
+                self.config.record_routing,
+                len(self.moe_layer_ids),
+                self.num_experts,
+                self.top_k,
+                self.device,
+                max_tokens,
+                meta={"model": self.model_path, "synthetic": False, "family": self.family},
+            )
         self.load_report = {
             "load_seconds": load_seconds,
             "pin_seconds": pin_s,
@@ -147,20 +184,92 @@ class FreeTokenRuntime:
             "pinned": pinned,
         }
         logger.info(
-            "FreeToken: %s, routed experts in host memory (%s); GPU expert cache: %s "
-            "(size: %s). Peak GPU memory during load: %.2f GiB; pinning took %.2f s.",
+            "FreeToken: %s, routed experts in host memory (%s); backend %s; GPU expert "
+            "cache: %s (size: %s); decode misses: %s. Peak GPU memory during load: %.2f "
+            "GiB; pinning took %.2f s.",
             self.family,
             self.pool.describe(),
+            self.backend,
             self.cache.describe(),
             size.reason,
+            self.describe_policy(),
             peak_load_bytes / GIB,
             pin_s,
         )
+
+    def _start_cpu_side(self, max_tokens: int) -> None:
+        """Start the C executor and the CPU branch when some misses run on the CPU, and
+        resolve B_P / B_H for the q* policy."""
+        from freetoken_sglang import bandwidth
+        from freetoken_sglang.miss_policy import SPLIT_MAX_TOKENS
+
+        name = "cpu" if self.backend == "cpu" else self.config.miss_policy
+        if name == "fill":
+            self.policy = MissPolicy("fill")
+            return
+        from freetoken_sglang.cpu_branch import CpuBranch
+        from freetoken_sglang.cpu_executor import CpuExpertExecutor
+
+        activation = self.layers[self.moe_layer_ids[0]].moe_runner_config.activation
+        self.executor = CpuExpertExecutor(
+            self.pool.banks, activation=activation, num_threads=self.config.cpu_threads
+        )
+        rows = max_tokens if self.backend == "cpu" else SPLIT_MAX_TOKENS
+        if self.device.type == "cuda" and self.backend == "cpu":
+            rows = min(rows, 1024)  # grows on demand outside graph capture
+        self.cpu_branch = CpuBranch(
+            self.executor,
+            self.device,
+            self.pool.specs["w2_weight"].shape[0],
+            self.top_k,
+            self.act_dtype,
+            max_rows=rows,
+        )
+        if name == "qstar":
+            self.bandwidth = bandwidth.resolve(
+                self.config.bandwidth,
+                self.pool,
+                self.executor,
+                self.device,
+                self.pool.specs["w2_weight"].shape[0],
+                self.act_dtype,
+            )
+            self.policy = MissPolicy("qstar", (self.bandwidth.b_p, self.bandwidth.b_h))
+        else:
+            self.policy = MissPolicy("cpu")
+
+    def describe_policy(self) -> str:
+        if self.backend == "cpu":
+            return f"every routed expert on the CPU ({self.executor.num_threads} threads, {self.executor.isa})"
+        text = self.policy.describe()
+        if self.bandwidth is not None:
+            text += f" [bandwidths from {self.bandwidth.source}]"
+        if self.executor is not None:
+            text += f"; CPU executor: {self.executor.num_threads} threads, {self.executor.isa}"
+        return text
+
+    @staticmethod
+    def is_decode_sized(num_tokens: int) -> bool:
+        """Layer calls this small are counted as decode (they split their misses)."""
+        from freetoken_sglang.miss_policy import SPLIT_MAX_TOKENS
+
+        return num_tokens <= SPLIT_MAX_TOKENS
+
+    def split_for(self, num_tokens: int) -> MissSplit:
+        """How a layer call over ``num_tokens`` rows serves its misses."""
+        if self.backend == "cpu":
+            return CPU_ONLY
+        return self.policy.split_for(num_tokens)
 
     # ---- serving ------------------------------------------------------------------------
     def set_num_valid(self, num_tokens: int) -> None:
         """Record the real rows of the forward about to run (no host sync)."""
         self.num_valid.fill_(num_tokens)
+
+    def end_step(self, phase: str, num_tokens: int) -> None:
+        """After a forward step: append its routing to the trace when recording."""
+        if self.recorder is not None:
+            self.recorder.end_step(phase, num_tokens)
 
     def reset_cache(self) -> None:
         """Empty the cache and zero the counters (after graph capture ran dummy batches)."""
@@ -188,8 +297,17 @@ class FreeTokenRuntime:
             out["cache"] = {
                 "slots": self.cache.num_slots,
                 "bytes": self.cache.nbytes,
-                "fill_mode": self.cache.filler.mode,
+                "fill_mode": self.cache.filler.mode if self.cache.filler else None,
                 "all_resident": self.cache.all_resident,
+            }
+        out["backend"] = self.backend
+        out["miss_policy"] = self.policy.name if self.policy else None
+        if self.bandwidth is not None:
+            out["bandwidth"] = {
+                "B_P": self.bandwidth.b_p,
+                "B_H": self.bandwidth.b_h,
+                "ratio": self.bandwidth.ratio,
+                "source": self.bandwidth.source,
             }
         if self.counters is not None:
             out.update(self.counters.snapshot())

@@ -23,6 +23,7 @@ def run_on_slots_triton(
     routed_ids: torch.Tensor,
     layer_slots: torch.Tensor,
     slot_banks: Dict[str, torch.Tensor],
+    skip_negative_ids: bool = False,
 ) -> torch.Tensor:
     """The layer's routed-expert output, computed from the slots (CUDA).
 
@@ -31,9 +32,11 @@ def run_on_slots_triton(
             parameters, whose shapes select the kernel config as in stock SGLang).
         hidden_states: ``[T, H]`` activations.
         topk_weights: fp32 ``[T, k]`` router weights.
-        routed_ids: int ``[T, k]`` local expert ids, every one resident (padded rows carry
-            row 0's experts; ``residency.decide`` returns them).
+        routed_ids: int ``[T, k]`` local expert ids, every one resident, or -1 for an entry
+            served elsewhere (the CPU); ``residency.decide`` returns them.
         layer_slots: int32 ``[E]`` slot of each local expert.
+        skip_negative_ids: some ids may be -1: SGLang's kernels then run with
+            ``filter_expert`` (as under expert parallelism), giving those entries zero.
         slot_banks: ``w13_weight [S, 2I, H]``, ``w2_weight [S, H, I]`` and optional biases.
 
     Returns:
@@ -68,7 +71,9 @@ def run_on_slots_triton(
         block_shape=None,
     )
     remap_expert_ids_(expert_ids, layer_slots)
-    filter_expert = cfg.num_experts is None or cfg.num_experts != cfg.num_local_experts
+    filter_expert = skip_negative_ids or (
+        cfg.num_experts is None or cfg.num_experts != cfg.num_local_experts
+    )
     return _fused_moe_kernel_sequence(
         hidden_states,
         slot_banks["w13_weight"],
@@ -116,25 +121,33 @@ def run_on_slots_native(
     topk_output,
     routed_ids: torch.Tensor,
     layer_slots: torch.Tensor,
-    slot_banks: Dict[str, torch.Tensor],
+    banks_with_null_slots: Dict[str, torch.Tensor],
+    num_slots: int,
 ) -> torch.Tensor:
     """The layer's routed-expert output from the slots, with SGLang's native torch MoE (the
     CPU path of ``UnquantizedFusedMoEMethod.forward_cpu``). Shapes as in
-    ``run_on_slots_triton``."""
+    ``run_on_slots_triton``, except the banks: ``[S + k, ...]``, whose last k rows are zero.
+    An entry at -1 in top-k column j goes to zero slot ``S + j`` with router weight 0
+    (SGLang's native MoE needs the ids of a row to be distinct)."""
     from sglang.srt.layers.moe.fused_moe_native import moe_forward_native
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
-    slot_ids = layer_slots[routed_ids.long()].clamp(min=0).to(routed_ids.dtype)
+    elsewhere = routed_ids < 0
+    null = num_slots + torch.arange(routed_ids.shape[1], device=routed_ids.device)
+    slot_ids = layer_slots[routed_ids.clamp(min=0).long()]
+    slot_ids = torch.where(elsewhere, null.to(slot_ids.dtype), slot_ids).to(routed_ids.dtype)
+    weights = topk_output.topk_weights.masked_fill(elsewhere, 0)
+    banks = banks_with_null_slots
     slots_layer = SimpleNamespace(
-        num_experts=slot_banks["w13_weight"].shape[0],
-        w13_weight=slot_banks["w13_weight"],
-        w2_weight=slot_banks["w2_weight"],
-        w13_weight_bias=slot_banks.get("w13_weight_bias"),
-        w2_weight_bias=slot_banks.get("w2_weight_bias"),
+        num_experts=banks["w13_weight"].shape[0],
+        w13_weight=banks["w13_weight"],
+        w2_weight=banks["w2_weight"],
+        w13_weight_bias=banks.get("w13_weight_bias"),
+        w2_weight_bias=banks.get("w2_weight_bias"),
     )
     return moe_forward_native(
         slots_layer,
         hidden_states,
-        StandardTopKOutput(topk_output.topk_weights, slot_ids, topk_output.router_logits),
+        StandardTopKOutput(weights, slot_ids, topk_output.router_logits),
         layer.moe_runner_config,
     )

@@ -1,4 +1,5 @@
-"""Expert-cache counters: routed expert reads, hits, fills and evictions, per MoE layer.
+"""Expert-cache counters: routed expert reads, hits, fills, evictions and CPU-executed misses,
+per phase and MoE layer.
 
 The counters live on the device and are advanced inside the (graph-captured) layer call, so
 counting costs no host sync; ``snapshot`` reads them back off the hot path, for
@@ -11,41 +12,59 @@ from typing import Dict, List, Optional
 
 import torch
 
-# Row order of ``ExpertCounters.counts``.
-FIELDS = ("reads", "hits", "fills", "evictions")
+# Field order of ``ExpertCounters.counts``.
+FIELDS = ("reads", "hits", "fills", "evictions", "cpu")
+PHASES = ("decode", "prefill")
 
 
 class ExpertCounters:
-    """int64 ``counts[4, L]``: per MoE layer, since start (or the last reset):
+    """int64 ``counts[phase, 5, L]``: per phase and MoE layer, since start (or the last reset).
+    The phase is ``decode`` for layer calls small enough to split their misses
+    (``miss_policy.SPLIT_MAX_TOKENS`` rows: decode steps, short prefills) and ``prefill`` for
+    the rest. Fields:
 
-    - ``reads``: unique routed experts of the layer calls (hits + fills; an expert routed
-      to by several tokens of one call counts once);
+    - ``reads``: unique routed experts of the layer calls (hits + fills + cpu; an expert
+      routed to by several tokens of one call counts once);
     - ``hits``: of those, already resident in a slot;
     - ``fills``: copied from the host pool into a slot;
-    - ``evictions``: fills that displaced a resident expert.
+    - ``evictions``: fills that displaced a resident expert;
+    - ``cpu``: misses run in place on the CPU (they do not change residency).
     """
 
     def __init__(self, moe_layer_ids: List[int], device):
         self.moe_layer_ids = list(moe_layer_ids)
         self.counts = torch.zeros(
-            (len(FIELDS), len(self.moe_layer_ids)), dtype=torch.int64, device=device
+            (len(PHASES), len(FIELDS), len(self.moe_layer_ids)), dtype=torch.int64, device=device
         )
         self._last_totals: Optional[Dict[str, int]] = None
+
+    def of_phase(self, phase: str) -> torch.Tensor:
+        """The int64 ``[5, L]`` view a layer call of ``phase`` advances."""
+        return self.counts[PHASES.index(phase)]
 
     def reset(self) -> None:
         self.counts.zero_()
         self._last_totals = None
 
     def snapshot(self) -> Dict[str, object]:
-        """JSON-ready totals and per-layer counts (reads the device: not for the hot path)."""
-        rows = self.counts.cpu().tolist()
-        totals = {f: int(sum(r)) for f, r in zip(FIELDS, rows)}
-        totals["hit_rate"] = totals["hits"] / totals["reads"] if totals["reads"] else None
+        """JSON-ready totals (all, decode, prefill) and per-layer counts of both phases
+        (reads the device: not for the hot path)."""
+        per_phase = self.counts.cpu().tolist()
+
+        def totals_of(rows):
+            t = {f: int(sum(r)) for f, r in zip(FIELDS, rows)}
+            t["hit_rate"] = t["hits"] / t["reads"] if t["reads"] else None
+            return t
+
+        both = [[a + b for a, b in zip(ra, rb)] for ra, rb in zip(*per_phase)]
         layers = [
-            {"layer_id": lid, **{f: rows[i][j] for i, f in enumerate(FIELDS)}}
+            {"layer_id": lid, **{f: both[i][j] for i, f in enumerate(FIELDS)}}
             for j, lid in enumerate(self.moe_layer_ids)
         ]
-        return {"total": totals, "layers": layers}
+        out = {"total": totals_of(both), "layers": layers}
+        for phase, rows in zip(PHASES, per_phase):
+            out[phase] = totals_of(rows)
+        return out
 
     def log_line(self) -> str:
         """One line for the decode log: the window since the previous call, and the totals."""
@@ -57,6 +76,7 @@ class ExpertCounters:
         return (
             f"FreeToken expert cache: hit rate {rate:.3f} over the last "
             f"{window['reads']} reads ({window['fills']} fills, {window['evictions']} "
-            f"evictions); total reads {totals['reads']}, hits {totals['hits']}, fills "
-            f"{totals['fills']}, evictions {totals['evictions']}"
+            f"evictions, {window['cpu']} on the CPU); total reads {totals['reads']}, hits "
+            f"{totals['hits']}, fills {totals['fills']}, evictions {totals['evictions']}, "
+            f"cpu {totals['cpu']}"
         )

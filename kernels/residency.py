@@ -1,6 +1,7 @@
 """Triton kernel of the device-side cache decision (``freetoken_sglang.residency.decide`` on
 CUDA): one program de-duplicates a layer call's routed experts, classifies them against the
-residency table, picks an LRU victim for each miss and writes the fill plan (paper §4.1).
+residency table, splits the misses between fills and CPU execution (q*, paper §3.2), picks an
+LRU victim for each fill, and writes the fill plan and the CPU work items (paper §4.1).
 
 One launch per layer call, no host sync, fixed shapes: decode CUDA graphs capture it. A
 slot's LRU key is ``stamp * S + slot``, so the least recently used slot is simply the
@@ -15,7 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken_sglang.residency import FillPlan, ResidencyState, max_unique_experts
+from freetoken_sglang.residency import (
+    FILL_ALL,
+    CpuWork,
+    FillPlan,
+    LayerDecision,
+    MissSplit,
+    ResidencyState,
+    max_unique_experts,
+)
 
 _BLOCK = 64
 _SLOT_BLOCK = 1024
@@ -24,13 +33,15 @@ _SLOT_BLOCK = 1024
 @triton.jit
 def _decide_kernel(
     ids_ptr,  # int [T*k] local expert ids, row-major
-    ids_out_ptr,  # same dtype [T*k] out: padded rows get row 0's experts
+    weights_ptr,  # fp32 [T*k] router weights
+    ids_out_ptr,  # same dtype as ids [T*k] out: ids for the GPU compute
     n_entries,
     top_k,
     num_valid_ptr,  # int [1]
     res_ptr,  # int32 [L*E+1]
     owner_ptr,  # int32 [S+1]
     key_ptr,  # int64 [S]
+    cpu_stamp_ptr,  # int64 [L*E]
     num_slots,
     base,  # l*E
     num_experts,
@@ -38,9 +49,16 @@ def _decide_kernel(
     src_ptr,  # int32 [K] out
     dst_ptr,  # int32 [K] out
     count_ptr,  # int32 [1] out
-    counters_ptr,  # int64 [4, L]
+    cpu_rows_ptr,  # int32 [T*k] out
+    cpu_experts_ptr,  # int32 [T*k] out
+    cpu_weights_ptr,  # fp32 [T*k] out
+    cpu_count_ptr,  # int32 [1] out
+    counters_ptr,  # int64 [5, L]
     ordinal,
     num_layers,
+    fill_ratio,
+    min_fill,
+    weight_scale,
     E_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
     SLOT_BLOCK: tl.constexpr,
@@ -53,8 +71,6 @@ def _decide_kernel(
         inb = offs < n_entries
         valid = inb & ((offs // top_k) < nv)
         ids = tl.load(ids_ptr + offs, mask=inb, other=0)
-        row0 = tl.load(ids_ptr + (offs % top_k), mask=inb, other=0)
-        tl.store(ids_out_ptr + offs, tl.where(valid, ids, row0), mask=inb)
         ids32 = tl.where(valid, ids.to(tl.int32), -1)
         eq = (ids32[:, None] == e[None, :]).to(tl.int32)
         used = tl.maximum(used, tl.max(eq, axis=0))
@@ -62,19 +78,25 @@ def _decide_kernel(
     res = tl.load(res_ptr + base + e, mask=em, other=-1)
     hit = (used > 0) & (res >= 0) & em
     miss = (used > 0) & (res < 0) & em
+    missi = miss.to(tl.int32)
+    rank = tl.cumsum(missi, axis=0) - 1
+    n_miss = tl.sum(missi, axis=0)
+    # q = min(m, max(min_fill, round(m * fill_ratio))): fills; the rest run on the CPU.
+    q = tl.floor(n_miss.to(tl.float64) * fill_ratio + 0.5).to(tl.int32)
+    q = tl.minimum(n_miss, tl.maximum(q, min_fill))
+    cpu = miss & (rank >= q)
+    n_hit = tl.sum(hit.to(tl.int32), axis=0)
+    n_cpu = tl.sum(cpu.to(tl.int32), axis=0)
     now = tl.load(clock_ptr) + 1
     tl.store(clock_ptr, now)
     S = num_slots
     slot = res.to(tl.int64)
     # Stamp the hits first: no slot used by this call can be a victim.
     tl.store(key_ptr + slot, now * S + slot, mask=hit)
-    missi = miss.to(tl.int32)
-    rank = tl.cumsum(missi, axis=0) - 1
-    n_miss = tl.sum(missi, axis=0)
-    n_hit = tl.sum(hit.to(tl.int32), axis=0)
+    tl.store(cpu_stamp_ptr + base + e, now + e * 0, mask=cpu)
     n_evict = n_miss * 0
     tl.debug_barrier()
-    for i in range(0, n_miss):
+    for i in range(0, q):
         # The least recently used slot: the smallest key (keys are unique).
         kmin = tl.load(key_ptr)
         for s0 in range(0, S, SLOT_BLOCK):
@@ -94,15 +116,38 @@ def _decide_kernel(
         tl.store(src_ptr + i, flat)
         tl.store(dst_ptr + i, v.to(tl.int32))
         tl.debug_barrier()
-    tl.store(count_ptr, n_miss)
+    tl.store(count_ptr, q)
+    # Routing for the GPU compute (padded rows take row 0's experts, CPU entries -1) and
+    # the CPU work items, compacted in row-major order.
+    n_items = n_miss * 0
+    for start in range(0, n_entries, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inb = offs < n_entries
+        valid = inb & ((offs // top_k) < nv)
+        ids = tl.load(ids_ptr + offs, mask=inb, other=0)
+        row0 = tl.load(ids_ptr + (offs % top_k), mask=inb, other=0)
+        rid = tl.where(valid, ids, row0)
+        on_cpu = tl.max(((rid.to(tl.int32)[:, None] == e[None, :]) & cpu[None, :]).to(tl.int32), axis=1) > 0
+        tl.store(ids_out_ptr + offs, tl.where(on_cpu, -1, rid), mask=inb)
+        emit = on_cpu & valid
+        emiti = emit.to(tl.int32)
+        pos = n_items + tl.cumsum(emiti, axis=0) - 1
+        w = tl.load(weights_ptr + offs, mask=emit, other=0.0).to(tl.float32)
+        tl.store(cpu_rows_ptr + pos, offs // top_k, mask=emit)
+        tl.store(cpu_experts_ptr + pos, base + ids.to(tl.int32), mask=emit)
+        tl.store(cpu_weights_ptr + pos, w * weight_scale, mask=emit)
+        n_items += tl.sum(emiti, axis=0)
+    tl.store(cpu_count_ptr, n_items)
     c = counters_ptr + ordinal
     tl.store(c, tl.load(c) + (n_hit + n_miss).to(tl.int64))
     c += num_layers
     tl.store(c, tl.load(c) + n_hit.to(tl.int64))
     c += num_layers
-    tl.store(c, tl.load(c) + n_miss.to(tl.int64))
+    tl.store(c, tl.load(c) + q.to(tl.int64))
     c += num_layers
     tl.store(c, tl.load(c) + n_evict.to(tl.int64))
+    c += num_layers
+    tl.store(c, tl.load(c) + n_cpu.to(tl.int64))
 
 
 @triton.jit
@@ -121,8 +166,11 @@ def decide_triton(
     ordinal: int,
     num_experts: int,
     topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
     num_valid: torch.Tensor,
-):
+    split: MissSplit = FILL_ALL,
+    weight_scale: float = 1.0,
+) -> LayerDecision:
     """``freetoken_sglang.residency.decide`` in one kernel launch (same arguments and
     results). Works on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``."""
     t, k = topk_ids.shape
@@ -130,12 +178,21 @@ def decide_triton(
     K = max_unique_experts(t, k, E)
     device = topk_ids.device
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     ids_out = torch.empty_like(ids)
-    src = torch.empty(K, dtype=torch.int32, device=device)
-    dst = torch.empty(K, dtype=torch.int32, device=device)
-    count = torch.empty(1, dtype=torch.int32, device=device)
+    i32 = dict(dtype=torch.int32, device=device)
+    plan = FillPlan(
+        src=torch.empty(K, **i32), dst=torch.empty(K, **i32), count=torch.empty(1, **i32)
+    )
+    work = CpuWork(
+        rows=torch.empty(t * k, **i32),
+        experts=torch.empty(t * k, **i32),
+        weights=torch.empty(t * k, dtype=torch.float32, device=device),
+        count=torch.empty(1, **i32),
+    )
     _decide_kernel[(1,)](
         ids,
+        weights,
         ids_out,
         t * k,
         k,
@@ -143,22 +200,30 @@ def decide_triton(
         state.residency,
         state.owner,
         state.key,
+        state.cpu_stamp,
         state.num_slots,
         ordinal * E,
         E,
         state.clock,
-        src,
-        dst,
-        count,
+        plan.src,
+        plan.dst,
+        plan.count,
+        work.rows,
+        work.experts,
+        work.weights,
+        work.count,
         counters,
         ordinal,
         counters.shape[1],
+        float(split.fill_ratio),
+        int(split.min_fill),
+        float(weight_scale),
         E_PAD=triton.next_power_of_2(E),
         BLOCK=_BLOCK,
         SLOT_BLOCK=_SLOT_BLOCK,
         num_warps=4,
     )
-    return FillPlan(src=src, dst=dst, count=count), ids_out
+    return LayerDecision(plan, ids_out, work)
 
 
 def remap_expert_ids_(expert_ids: torch.Tensor, layer_slots: torch.Tensor) -> None:

@@ -4,8 +4,9 @@
   built (so MoE layers load into the host pool), then pins the pool and allocates the GPU
   expert cache, before SGLang sizes its KV pool from the memory left. Peak GPU memory during
   the load is measured and logged.
-- ``ModelRunner._forward_raw`` (before): records how many rows of the batch are real, on the
-  device, so that captured graphs mask their padding out of the cache's recency.
+- ``ModelRunner._forward_raw`` (around): records how many rows of the batch are real, on the
+  device, so that captured graphs mask their padding out of the cache's recency; after the
+  step, appends its routing to the trace when ``--freetoken-record-routing`` is on.
 """
 
 from __future__ import annotations
@@ -46,15 +47,20 @@ def load_model(original, self, *args, **kwargs):
     return result
 
 
-def forward_raw(self, forward_batch, *args, **kwargs):
+def forward_raw(original, self, forward_batch, *args, **kwargs):
     from freetoken_sglang.runtime import get_runtime
 
     rt = get_runtime()
-    if rt is not None and rt.cache is not None:
-        ids = forward_batch.input_ids
-        n = ids.shape[0] if ids is not None else forward_batch.positions.shape[0]
-        rt.set_num_valid(n)
-    return None
+    if rt is None or rt.cache is None:
+        return original(self, forward_batch, *args, **kwargs)
+    ids = forward_batch.input_ids
+    n = ids.shape[0] if ids is not None else forward_batch.positions.shape[0]
+    rt.set_num_valid(n)
+    result = original(self, forward_batch, *args, **kwargs)
+    if rt.recorder is not None:
+        phase = "decode" if forward_batch.forward_mode.is_decode() else "prefill"
+        rt.end_step(phase, n)
+    return result
 
 
 HOOKS = [
@@ -66,6 +72,6 @@ HOOKS = [
     Hook(
         "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw",
         forward_raw,
-        "before",
+        "around",
     ),
 ]

@@ -38,6 +38,11 @@ def test_cli_flags_parse_into_config():
         ["--freetoken-cache-slots", "0"],
         ["--freetoken-kv-reserve-gb", "-1"],
         ["--freetoken-cache-ratio", "0.2", "--freetoken-cache-slots", "8"],
+        ["--freetoken-miss-policy", "lru"],
+        ["--freetoken-backend", "tpu"],
+        ["--freetoken-bandwidth", "55"],
+        ["--freetoken-bandwidth", "55,-1"],
+        ["--freetoken-cpu-threads", "0"],
     ],
 )
 def test_bad_flag_values_are_argparse_errors(argv, capsys):
@@ -45,6 +50,21 @@ def test_bad_flag_values_are_argparse_errors(argv, capsys):
         parser().parse_args(["--enable-freetoken", *argv])
     assert e.value.code == 2
     assert "freetoken" in capsys.readouterr().err
+
+
+def test_miss_policy_flags():
+    args = parser().parse_args(
+        ["--enable-freetoken", "--freetoken-miss-policy", "cpu", "--freetoken-bandwidth",
+         "55,90", "--freetoken-backend", "cpu", "--freetoken-cpu-threads", "6"]
+    )
+    cfg = ft.pop_config(dict(vars(args)))
+    assert (cfg.miss_policy, cfg.bandwidth, cfg.backend, cfg.cpu_threads) == (
+        "cpu", (55.0, 90.0), "cpu", 6
+    )
+    default = ft.pop_config({"enable_freetoken": True})
+    assert (default.miss_policy, default.backend, default.bandwidth) == ("qstar", "gpu", None)
+    kw = ft.pop_config({"enable_freetoken": True, "freetoken_bandwidth": (20, 40)})
+    assert kw.bandwidth == (20.0, 40.0)
 
 
 def test_engine_keywords_are_validated():
@@ -95,6 +115,10 @@ def test_launch_server_help_lists_the_flags():
         "--freetoken-cache-ratio",
         "--freetoken-cache-slots",
         "--freetoken-kv-reserve-gb",
+        "--freetoken-miss-policy",
+        "--freetoken-bandwidth",
+        "--freetoken-backend",
+        "--freetoken-cpu-threads",
     ):
         assert flag in out.stdout
 

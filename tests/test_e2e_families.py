@@ -1,8 +1,9 @@
 """End to end on the CPU-run SGLang: a server with ``--enable-freetoken`` and a cache of 25%
 of the expert pool gives the same greedy tokens as stock SGLang (fp32) for every supported
-family, through /generate, the OpenAI completion and chat endpoints and the Anthropic
-messages endpoint, including 8 concurrent requests of different lengths; and the same
-tokens as transformers' ``generate`` for three families."""
+family and every miss policy (fill, qstar, cpu), through /generate, the OpenAI completion
+and chat endpoints and the Anthropic messages endpoint, including 8 concurrent requests of
+different lengths; the pure-CPU backend does too; and the tokens equal transformers'
+``generate`` for three families."""
 
 from __future__ import annotations
 
@@ -110,39 +111,77 @@ def transformers_greedy(path, prompts, n):
     return outs
 
 
+CACHE_25 = ["--enable-freetoken", "--freetoken-cache-ratio", "0.25"]
+POLICIES = {
+    "fill": ["--freetoken-miss-policy", "fill"],
+    # B_P/B_H = 0.5: half of each call's misses are filled, half run on the CPU.
+    "qstar": ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40"],
+    "cpu": ["--freetoken-miss-policy", "cpu"],
+}
+
+
+def serve_and_collect(path, args, log_path):
+    server = start_server(path, args, log_path=log_path)
+    try:
+        out = collect(server.url)
+        stats = None
+        if "--enable-freetoken" in args:
+            stats = requests.get(server.url + "/freetoken/stats", timeout=60).json()
+    finally:
+        server.stop()
+    return out, stats, server.log()
+
+
+def assert_same_tokens(got, want, label):
+    for key in ("sequential", "concurrent"):
+        for i, (g, w) in enumerate(zip(got[key], want[key])):
+            assert g == w, f"{label} {key} request {i}: {g} != stock {w}"
+    assert [len(x) for x in got["concurrent"]] == [n for _, n in CONCURRENT]
+    for key in ("completion", "chat", "messages"):
+        assert got[key] == want[key], f"{label} {key}"
+        assert len(got[key]) > 0
+    assert got["messages_usage"] == 16
+
+
 @pytest.mark.parametrize("family", sorted(FAMILY_SHAPES))
 def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
     path = tiny_checkpoint(family, **FAMILY_SHAPES[family])
-    stock = start_server(path, log_path=str(tmp_path / "stock.log"))
-    try:
-        want = collect(stock.url)
-    finally:
-        stock.stop()
-    ft = start_server(
-        path,
-        ["--enable-freetoken", "--freetoken-cache-ratio", "0.25"],
-        log_path=str(tmp_path / "freetoken.log"),
+    want, _, _ = serve_and_collect(path, [], str(tmp_path / "stock.log"))
+    for policy, flags in POLICIES.items():
+        got, stats, log = serve_and_collect(
+            path, CACHE_25 + flags, str(tmp_path / f"freetoken-{policy}.log")
+        )
+        label = f"{family} {policy}"
+        assert "GPU expert cache" in log and f"decode misses: {policy}" in log
+        assert_same_tokens(got, want, label)
+        # the cache really served: a quarter of the pool, misses served as the policy says
+        total = stats["total"]
+        assert stats["miss_policy"] == policy
+        assert stats["cache"]["slots"] == stats["pool"]["experts"] // 4
+        assert total["reads"] == total["hits"] + total["fills"] + total["cpu"] > 0
+        assert len(stats["layers"]) == stats["num_moe_layers"]
+        if policy == "fill":
+            assert total["cpu"] == 0 and total["hits"] > 0 and total["evictions"] > 0
+        elif policy == "qstar":
+            assert total["fills"] > 0 and total["cpu"] > 0 and total["hits"] > 0
+            assert stats["bandwidth"]["ratio"] == 0.5
+        else:
+            # decode never fills; the 150-token prompt's prefill does
+            assert total["cpu"] > 0 and total["fills"] > 0
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_pure_cpu_backend_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
+    path = tiny_checkpoint(family, **FAMILY_SHAPES[family])
+    want, _, _ = serve_and_collect(path, [], str(tmp_path / "stock.log"))
+    got, stats, log = serve_and_collect(
+        path, ["--enable-freetoken", "--freetoken-backend", "cpu"], str(tmp_path / "ft.log")
     )
-    try:
-        got = collect(ft.url)
-        stats = requests.get(ft.url + "/freetoken/stats", timeout=60).json()
-    finally:
-        ft.stop()
-    assert "FreeToken: " in ft.log() and "GPU expert cache" in ft.log()
-    for key in ("sequential", "concurrent"):
-        for i, (g, w) in enumerate(zip(got[key], want[key])):
-            assert g == w, f"{family} {key} request {i}: {g} != stock {w}"
-    assert [len(x) for x in got["concurrent"]] == [n for _, n in CONCURRENT]
-    for key in ("completion", "chat", "messages"):
-        assert got[key] == want[key], f"{family} {key}"
-        assert len(got[key]) > 0
-    assert got["messages_usage"] == 16
-    # the cache really served: a quarter of the pool, with hits and evictions
+    assert "backend cpu" in log
+    assert_same_tokens(got, want, f"{family} cpu backend")
     total = stats["total"]
-    assert stats["cache"]["slots"] == stats["pool"]["experts"] // 4
-    assert total["reads"] == total["hits"] + total["fills"] > 0
-    assert total["hits"] > 0 and total["evictions"] > 0
-    assert len(stats["layers"]) == stats["num_moe_layers"]
+    assert stats["cache"]["slots"] == 0 and stats["backend"] == "cpu"
+    assert total["cpu"] == total["reads"] > 0 and total["fills"] == 0
 
 
 @pytest.mark.parametrize("family", TRANSFORMERS_FAMILIES)

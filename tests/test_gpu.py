@@ -13,26 +13,31 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_decide_on_cuda_matches_reference():
-    from freetoken_sglang.residency import ResidencyState, decide, decide_reference
+    from freetoken_sglang.residency import MissSplit, ResidencyState, decide, decide_reference
 
     rng = random.Random(0)
     L, E, k, S = 6, 128, 8, 300
     a, b = ResidencyState(L * E, S, "cpu"), ResidencyState(L * E, S, "cuda")
-    ca = torch.zeros(4, L, dtype=torch.int64)
-    cb = torch.zeros(4, L, dtype=torch.int64, device="cuda")
+    ca = torch.zeros(5, L, dtype=torch.int64)
+    cb = torch.zeros(5, L, dtype=torch.int64, device="cuda")
     for step in range(200):
         T = rng.choice([1, 1, 4, 16, 300])
         layer = rng.randrange(L)
+        split = MissSplit(0.6, 1) if T <= 16 else MissSplit(1.0, 0)
         ids = torch.tensor([rng.sample(range(E), k) for _ in range(T)], dtype=torch.int32)
+        w = torch.rand(T, k)
         nv = torch.tensor([rng.randint(1, T)], dtype=torch.int32)
-        pa, ra = decide_reference(a, ca, layer, E, ids, nv)
-        pb, rb = decide(b, cb, layer, E, ids.cuda(), nv.cuda())
-        assert torch.equal(ra, rb.cpu())
-        n = int(pa.count)
-        assert int(pb.count) == n
-        assert pb.src[:n].tolist() == pa.src[:n].tolist()
-        assert pb.dst[:n].tolist() == pa.dst[:n].tolist()
-    for name in ("residency", "owner", "key", "clock"):
+        da = decide_reference(a, ca, layer, E, ids, w, nv, split, 2.5)
+        db = decide(b, cb, layer, E, ids.cuda(), w.cuda(), nv.cuda(), split, 2.5)
+        assert torch.equal(da.routed_ids, db.routed_ids.cpu())
+        n = int(da.plan.count)
+        assert int(db.plan.count) == n
+        assert db.plan.src[:n].tolist() == da.plan.src[:n].tolist()
+        assert db.plan.dst[:n].tolist() == da.plan.dst[:n].tolist()
+        c = int(da.cpu.count)
+        assert db.cpu.experts[:c].tolist() == da.cpu.experts[:c].tolist()
+        assert db.cpu.rows[:c].tolist() == da.cpu.rows[:c].tolist()
+    for name in ("residency", "owner", "key", "clock", "cpu_stamp"):
         assert torch.equal(getattr(a, name), getattr(b, name).cpu()), name
     assert torch.equal(ca, cb.cpu())
 
@@ -111,3 +116,56 @@ def test_moe_on_slots_is_bit_identical_to_stock(num_tokens, published_server_arg
         layer, x.clone(), weights, ids, perm, {"w13_weight": slot_w13, "w2_weight": slot_w2}
     )
     assert torch.equal(got, want)
+    # Entries at -1 (served on the CPU) contribute nothing; the rest is unchanged.
+    drop = torch.zeros_like(ids, dtype=torch.bool)
+    drop[:, 0] = True
+    partial = run_on_slots_triton(
+        layer, x.clone(), weights, ids.masked_fill(drop, -1), perm,
+        {"w13_weight": slot_w13, "w2_weight": slot_w2}, skip_negative_ids=True,
+    )
+    want_partial = fused_experts(
+        x.clone(), w13, w2, StandardTopKOutput(weights.masked_fill(drop, 0), ids, logits), cfg
+    )
+    torch.testing.assert_close(partial, want_partial, rtol=2e-2, atol=2e-3)
+
+
+def test_cpu_branch_host_function_in_a_cuda_graph():
+    """The CPU branch runs the C executor from a host-function node: eagerly and replayed
+    from a captured graph, with the same result as a direct call."""
+    from freetoken_sglang.cpu_branch import CpuBranch
+    from freetoken_sglang.cpu_executor import CpuExpertExecutor
+    from freetoken_sglang.pool import HostExpertPool, bank_specs_for_layer
+    from freetoken_sglang.residency import CpuWork
+
+    H, I, k = 256, 128, 2
+    pool = HostExpertPool([0], 8, bank_specs_for_layer(H, I, torch.bfloat16))
+    for bank in pool.banks.values():
+        bank.copy_((torch.randn(bank.shape) * 0.05).to(bank.dtype))
+    with CpuExpertExecutor(pool.banks, num_threads=4) as ex:
+        branch = CpuBranch(ex, torch.device("cuda"), H, k, torch.bfloat16, max_rows=4)
+        x = torch.randn(3, H, device="cuda", dtype=torch.bfloat16)
+        work = CpuWork(
+            rows=torch.tensor([0, 2, 2, 0, 0, 0], dtype=torch.int32, device="cuda"),
+            experts=torch.tensor([5, 1, 7, 0, 0, 0], dtype=torch.int32, device="cuda"),
+            weights=torch.tensor([0.5, 0.25, 1.0, 0, 0, 0], device="cuda"),
+            count=torch.tensor([3], dtype=torch.int32, device="cuda"),
+        )
+        want = torch.zeros(3, H, dtype=torch.float32)
+        ex.run(x.cpu(), work.rows[:3].cpu(), work.experts[:3].cpu(), work.weights[:3].cpu(), want)
+        gpu_out = torch.zeros(3, H, device="cuda", dtype=torch.float32)
+        branch.launch(x, work)
+        got = branch.merge(gpu_out.clone())
+        torch.cuda.synchronize()
+        torch.testing.assert_close(got.cpu(), want)
+        g = torch.cuda.CUDAGraph()
+        static_out = torch.zeros(3, H, device="cuda", dtype=torch.float32)
+        with torch.cuda.graph(g):
+            branch.launch(x, work)
+            res = branch.merge(static_out)
+        x.copy_(torch.randn(3, H, device="cuda", dtype=torch.bfloat16))
+        static_out.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        want2 = torch.zeros(3, H, dtype=torch.float32)
+        ex.run(x.cpu(), work.rows[:3].cpu(), work.experts[:3].cpu(), work.weights[:3].cpu(), want2)
+        torch.testing.assert_close(res.cpu(), want2)

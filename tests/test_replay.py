@@ -271,12 +271,13 @@ def test_global_lru_equals_device_decide(S):
     trace = SYN.generate(p)
     L, E = trace.num_layers, trace.num_experts
     state = ResidencyState(L * E, S, "cpu")
-    counters = torch.zeros(4, L, dtype=torch.int64)
+    counters = torch.zeros(5, L, dtype=torch.int64)
     for _, ids in trace:
         num_valid = torch.tensor([ids.shape[0]], dtype=torch.int32)
         for l in range(L):
-            decide(state, counters, l, E, torch.from_numpy(ids[:, l, :].astype(np.int64)),
-                   num_valid)
+            layer_ids = torch.from_numpy(ids[:, l, :].astype(np.int64))
+            decide(state, counters, l, E, layer_ids,
+                   torch.ones(layer_ids.shape, dtype=torch.float32), num_valid)
     calls = R.build_calls(trace)
     r = R.run_policy(calls, "global-lru", S)
     dev = counters.numpy()

@@ -1,5 +1,6 @@
 """The GPU expert cache's residency bookkeeping (``freetoken_sglang.residency.decide``) against
-a plain-Python LRU model, over random routing sequences, plus its invariants."""
+a plain-Python LRU model, over random routing sequences and every miss split, plus its
+invariants."""
 
 from __future__ import annotations
 
@@ -9,17 +10,21 @@ import pytest
 import torch
 
 from conftest import needs_interpreter
-
 from freetoken_sglang.residency import (
+    FILL_ALL,
+    MissSplit,
     ResidencyState,
     decide,
     max_unique_experts,
     used_experts,
 )
 
+SPLITS = [FILL_ALL, MissSplit(0.6, 1), MissSplit(0.25, 1), MissSplit(0.0, 0)]
+
 
 class ReferenceLRU:
-    """One LRU over S slots shared by all layers, written for clarity, not speed."""
+    """One LRU over S slots shared by all layers, with the q* split of the misses, written
+    for clarity, not speed."""
 
     def __init__(self, num_layers, num_experts, num_slots):
         self.E, self.S = num_experts, num_slots
@@ -27,19 +32,23 @@ class ReferenceLRU:
         self.stamp = [-1] * num_slots
         self.slot_of = {}
         self.clock = 0
-        self.counts = [[0] * num_layers for _ in range(4)]
+        self.cpu_stamp = [0] * (num_layers * num_experts)
+        self.counts = [[0] * num_layers for _ in range(5)]
 
-    def call(self, layer, ids, num_valid):
+    def call(self, layer, ids, weights, num_valid, split, scale):
         used = sorted({int(e) for row in ids[:num_valid] for e in row})
         self.clock += 1
         flat = [layer * self.E + e for e in used]
         hits = [f for f in flat if f in self.slot_of]
         misses = [f for f in flat if f not in self.slot_of]
+        m = len(misses)
+        q = min(m, max(split.min_fill, int(m * split.fill_ratio + 0.5)))
+        to_fill, to_cpu = misses[:q], misses[q:]
         for f in hits:
             self.stamp[self.slot_of[f]] = self.clock
         order = sorted(range(self.S), key=lambda s: (self.stamp[s], s))
         fills, evictions = [], 0
-        for f, victim in zip(misses, order):
+        for f, victim in zip(to_fill, order):
             assert self.stamp[victim] < self.clock, "a slot of the current call was chosen"
             old = self.owner[victim]
             if old >= 0:
@@ -49,9 +58,22 @@ class ReferenceLRU:
             self.slot_of[f] = victim
             self.stamp[victim] = self.clock
             fills.append((f, victim))
-        for i, n in enumerate((len(used), len(hits), len(misses), evictions)):
+        for f in to_cpu:
+            self.cpu_stamp[f] = self.clock
+        for i, n in enumerate((len(used), len(hits), q, evictions, len(to_cpu))):
             self.counts[i][layer] += n
-        return fills
+        cpu_set = {f - layer * self.E for f in to_cpu}
+        items = [
+            (t, layer * self.E + e, weights[t][j] * scale)
+            for t in range(num_valid)
+            for j, e in enumerate(ids[t])
+            if e in cpu_set
+        ]
+        routed = [
+            [-1 if e in cpu_set else e for e in (ids[t] if t < num_valid else ids[0])]
+            for t in range(len(ids))
+        ]
+        return fills, items, routed
 
 
 def check_invariants(state: ResidencyState, num_rows: int):
@@ -68,131 +90,190 @@ def check_invariants(state: ResidencyState, num_rows: int):
     assert state.residency[num_rows].item() == -1 and state.owner[-1].item() == -1
 
 
-@pytest.mark.parametrize("seed", range(6))
+def random_call(rng, layer, E, k, T):
+    fav = [(layer * 5 + j) % E for j in range(k + 1)]
+    ids = torch.tensor(
+        [rng.sample(fav if rng.random() < 0.6 else range(E), k) for _ in range(T)],
+        dtype=torch.int32,
+    )
+    weights = torch.tensor([[rng.random() for _ in range(k)] for _ in range(T)])
+    return ids, weights
+
+
+@pytest.mark.parametrize("seed", range(8))
 def test_decide_matches_reference_lru(seed):
     rng = random.Random(seed)
     L, E, k = rng.choice([(3, 8, 2), (4, 16, 4), (2, 12, 3)])
     S = rng.randint(E, L * E + 3)  # from one layer's worth to more than the pool
+    split = SPLITS[seed % len(SPLITS)]
+    scale = rng.choice([1.0, 2.5])
     state = ResidencyState(L * E, S, "cpu")
-    counters = torch.zeros(4, L, dtype=torch.int64)
+    counters = torch.zeros(5, L, dtype=torch.int64)
     ref = ReferenceLRU(L, E, S)
     for step in range(60):
         T = rng.choice([1, 1, 2, 3, 8, 40])
         num_valid = rng.randint(1, T)
-        # Locality: each layer re-uses a few favourite experts most of the time.
         for layer in range(L):
-            fav = [(layer * 5 + j) % E for j in range(k + 1)]
-            ids = torch.tensor(
-                [
-                    rng.sample(fav if rng.random() < 0.6 else range(E), k)
-                    for _ in range(T)
-                ],
-                dtype=torch.int32,
+            ids, weights = random_call(rng, layer, E, k, T)
+            d = decide(
+                state, counters, layer, E, ids, weights, torch.tensor([num_valid]), split, scale
             )
-            plan, routed = decide(state, counters, layer, E, ids, torch.tensor([num_valid]))
-            want = ref.call(layer, ids.tolist(), num_valid)
-            n = int(plan.count)
-            got = list(zip(plan.src[:n].tolist(), plan.dst[:n].tolist()))
-            assert got == want, f"step {step} layer {layer}"
-            assert plan.src.numel() == max_unique_experts(T, k, E)
-            assert torch.equal(routed[:num_valid], ids[:num_valid])
-            assert (routed[num_valid:] == ids[0]).all()
+            want_fills, want_items, want_routed = ref.call(
+                layer, ids.tolist(), weights.tolist(), num_valid, split, scale
+            )
+            n = int(d.plan.count)
+            assert list(zip(d.plan.src[:n].tolist(), d.plan.dst[:n].tolist())) == want_fills
+            assert d.plan.src.numel() == max_unique_experts(T, k, E)
+            c = int(d.cpu.count)
+            got_items = list(
+                zip(d.cpu.rows[:c].tolist(), d.cpu.experts[:c].tolist(), d.cpu.weights[:c].tolist())
+            )
+            assert [(r, e) for r, e, _ in got_items] == [(r, e) for r, e, _ in want_items]
+            for (_, _, w), (_, _, v) in zip(got_items, want_items):
+                assert w == pytest.approx(v, rel=1e-6)
+            assert d.routed_ids.tolist() == want_routed
             check_invariants(state, L * E)
-            # every routed expert of a real row is resident after the call
+            # every routed expert of a real row is resident or on the CPU after the call
             slots = state.layer_slots(layer, E)
+            cpu_experts = {e - layer * E for _, e, _ in want_items}
             for e in ids[:num_valid].flatten().tolist():
-                assert slots[e] >= 0
+                assert slots[e] >= 0 or e in cpu_experts
             assert state.owner[:S].tolist() == ref.owner
             assert state.stamp.tolist() == ref.stamp
+            assert state.cpu_stamp.tolist() == ref.cpu_stamp
     assert counters.tolist() == ref.counts
-    reads, hits, fills, evictions = counters.sum(1).tolist()
-    assert hits + fills == reads
+    reads, hits, fills, evictions, cpu = counters.sum(1).tolist()
+    assert hits + fills + cpu == reads
     assert evictions <= fills
-    assert hits > 0 and fills > 0
+    if split is FILL_ALL:
+        assert cpu == 0 and hits > 0
+    if split.fill_ratio == 0:
+        assert fills == 0 and cpu > 0
+    if 0 < split.fill_ratio < 1:
+        assert fills > 0 and cpu > 0
+
+
+def test_qstar_split_counts():
+    # 6 misses, B_P/B_H = 0.6: q* = round(3.6) = 4 fills, 2 on the CPU.
+    E = 8
+    state = ResidencyState(E, E, "cpu")
+    counters = torch.zeros(5, 1, dtype=torch.int64)
+    ids = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    d = decide(state, counters, 0, E, ids, torch.ones(2, 3), torch.tensor([2]), MissSplit(0.6, 1))
+    assert int(d.plan.count) == 4 and int(d.cpu.count) == 2
+    assert d.plan.src[:4].tolist() == [0, 1, 2, 3]
+    assert d.cpu.experts[:2].tolist() == [4, 5] and d.cpu.rows[:2].tolist() == [1, 1]
+    assert d.routed_ids.tolist() == [[0, 1, 2], [3, -1, -1]]
+    # one miss and a tiny ratio still fills one expert (the cache keeps warming)
+    d = decide(state, counters, 0, E, torch.tensor([[6]], dtype=torch.int32), torch.ones(1, 1),
+               torch.tensor([1]), MissSplit(0.1, 1))
+    assert int(d.plan.count) == 1 and int(d.cpu.count) == 0
+    assert counters[:, 0].tolist() == [7, 0, 5, 0, 2]
 
 
 def test_lru_order_and_current_step_protection():
     # Two layers of 4 experts, 4 slots: the cache holds exactly one layer.
     E, S = 4, 4
     state = ResidencyState(2 * E, S, "cpu")
-    counters = torch.zeros(4, 2, dtype=torch.int64)
+    counters = torch.zeros(5, 2, dtype=torch.int64)
     one = torch.tensor([1], dtype=torch.int32)
-    decide(state, counters, 0, E, torch.tensor([[0, 1]], dtype=torch.int32), one)
-    decide(state, counters, 0, E, torch.tensor([[2, 3]], dtype=torch.int32), one)
+
+    def call(layer, ids, nv=one):
+        ids = torch.tensor(ids, dtype=torch.int32)
+        return decide(state, counters, layer, E, ids, torch.ones(ids.shape), nv)
+
+    call(0, [[0, 1]])
+    call(0, [[2, 3]])
     # Slots 0,1 hold experts 0,1 (older), slots 2,3 hold 2,3.
     assert state.owner[:S].tolist() == [0, 1, 2, 3]
     # Use expert 1 again: it becomes the most recent.
-    decide(state, counters, 0, E, torch.tensor([[1, 2]], dtype=torch.int32), one)
+    call(0, [[1, 2]])
     # Layer 1 needs two experts: the two least recently used are experts 0 (slot 0) and
     # 3 (slot 3).
-    plan, _ = decide(state, counters, 1, E, torch.tensor([[0, 1]], dtype=torch.int32), one)
-    assert int(plan.count) == 2
-    assert plan.dst[:2].tolist() == [0, 3]
+    d = call(1, [[0, 1]])
+    assert int(d.plan.count) == 2
+    assert d.plan.dst[:2].tolist() == [0, 3]
     assert state.owner[:S].tolist() == [4, 1, 2, 5]
     # A call that needs every slot evicts everything but never its own hits.
-    plan, _ = decide(
-        state, counters, 0, E, torch.tensor([[1, 2], [0, 3]], dtype=torch.int32),
-        torch.tensor([2]),
-    )
-    assert sorted(plan.dst[: int(plan.count)].tolist()) == [0, 3]
+    d = call(0, [[1, 2], [0, 3]], torch.tensor([2]))
+    assert sorted(d.plan.dst[: int(d.plan.count)].tolist()) == [0, 3]
     assert sorted(state.owner[:S].tolist()) == [0, 1, 2, 3]
     # layer 1 read 2, filled 2 and evicted 2 (layer 0's experts 0 and 3)
-    assert counters[:, 1].tolist() == [2, 0, 2, 2]
+    assert counters[:, 1].tolist() == [2, 0, 2, 2, 0]
 
 
 def test_padded_rows_are_ignored():
     E, S = 8, 8
     state = ResidencyState(E, S, "cpu")
-    counters = torch.zeros(4, 1, dtype=torch.int64)
+    counters = torch.zeros(5, 1, dtype=torch.int64)
     ids = torch.tensor([[0, 1], [6, 7], [6, 7]], dtype=torch.int32)
     assert used_experts(ids, torch.tensor([1]), E).nonzero().flatten().tolist() == [0, 1]
-    plan, routed = decide(state, counters, 0, E, ids, torch.tensor([1]))
-    assert int(plan.count) == 2
-    assert routed.tolist() == [[0, 1], [0, 1], [0, 1]]
+    d = decide(state, counters, 0, E, ids, torch.ones(3, 2), torch.tensor([1]))
+    assert int(d.plan.count) == 2
+    assert d.routed_ids.tolist() == [[0, 1], [0, 1], [0, 1]]
     assert state.layer_slots(0, E)[6:].tolist() == [-1, -1]
-    assert counters[:, 0].tolist() == [2, 0, 2, 0]
+    assert counters[:, 0].tolist() == [2, 0, 2, 0, 0]
 
 
 def test_make_all_resident_and_reset():
     state = ResidencyState(6, 8, "cpu")
     state.make_all_resident()
     assert state.residency[:6].tolist() == list(range(6))
-    counters = torch.zeros(4, 2, dtype=torch.int64)
-    plan, _ = decide(
-        state, counters, 1, 3, torch.tensor([[0, 2]], dtype=torch.int32), torch.tensor([1])
-    )
-    assert int(plan.count) == 0 and counters[:, 1].tolist() == [2, 2, 0, 0]
+    counters = torch.zeros(5, 2, dtype=torch.int64)
+    d = decide(state, counters, 1, 3, torch.tensor([[0, 2]], dtype=torch.int32),
+               torch.ones(1, 2), torch.tensor([1]), MissSplit(0.5, 1))
+    assert int(d.plan.count) == 0 and counters[:, 1].tolist() == [2, 2, 0, 0, 0]
     state.reset()
     assert (state.residency == -1).all() and (state.owner == -1).all()
 
 
-@pytest.mark.parametrize("seed", range(3))
+def test_no_slot_runs_every_expert_on_the_cpu():
+    state = ResidencyState(8, 0, "cpu")
+    counters = torch.zeros(5, 2, dtype=torch.int64)
+    ids = torch.tensor([[1, 3], [3, 0]], dtype=torch.int32)
+    d = decide(state, counters, 1, 4, ids, torch.full((2, 2), 0.5), torch.tensor([2]),
+               MissSplit(0.0, 0), 2.0)
+    assert int(d.plan.count) == 0
+    assert int(d.cpu.count) == 4
+    assert d.cpu.experts[:4].tolist() == [5, 7, 7, 4]
+    assert d.cpu.weights[:4].tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert d.routed_ids.tolist() == [[-1, -1], [-1, -1]]
+
+
 @needs_interpreter
-def test_triton_kernels_match_the_torch_reference(seed):
-    """The CUDA path's kernels (run by Triton's interpreter here) give the reference's
-    plans, state and counters."""
+@pytest.mark.parametrize("seed", range(4))
+def test_triton_kernel_matches_the_torch_reference(seed):
+    """The CUDA path's kernel (run by Triton's interpreter here) gives the reference's plans,
+    CPU items, routing, state and counters."""
     from freetoken_sglang.kernels.residency import decide_triton
     from freetoken_sglang.residency import decide_reference
 
     rng = random.Random(100 + seed)
     L, E, k = rng.choice([(3, 8, 2), (2, 12, 3), (2, 64, 4)])
     S = rng.randint(E, E + E // 2)  # at most 1.5 layers' worth: evictions happen
+    split = SPLITS[seed]
     a, b = ResidencyState(L * E, S, "cpu"), ResidencyState(L * E, S, "cpu")
-    ca = torch.zeros(4, L, dtype=torch.int64)
-    cb = torch.zeros(4, L, dtype=torch.int64)
+    ca = torch.zeros(5, L, dtype=torch.int64)
+    cb = torch.zeros(5, L, dtype=torch.int64)
     for step in range(16):
         T = rng.choice([1, 2, 5, 30])
         nv = torch.tensor([rng.randint(1, T)], dtype=torch.int32)
         layer = rng.randrange(L)
         ids = torch.tensor([rng.sample(range(E), k) for _ in range(T)], dtype=torch.int32)
-        pa, ra = decide_reference(a, ca, layer, E, ids, nv)
-        pb, rb = decide_triton(b, cb, layer, E, ids, nv)
-        assert torch.equal(ra, rb)
-        n = int(pa.count)
-        assert int(pb.count) == n
-        assert pb.src[:n].tolist() == pa.src[:n].tolist()
-        assert pb.dst[:n].tolist() == pa.dst[:n].tolist()
-        for name in ("residency", "owner", "key", "clock"):
+        w = torch.rand(T, k)
+        da = decide_reference(a, ca, layer, E, ids, w, nv, split, 1.5)
+        db = decide_triton(b, cb, layer, E, ids, w, nv, split, 1.5)
+        assert torch.equal(da.routed_ids, db.routed_ids)
+        n = int(da.plan.count)
+        assert int(db.plan.count) == n
+        assert db.plan.src[:n].tolist() == da.plan.src[:n].tolist()
+        assert db.plan.dst[:n].tolist() == da.plan.dst[:n].tolist()
+        c = int(da.cpu.count)
+        assert int(db.cpu.count) == c
+        for f in ("rows", "experts"):
+            assert getattr(db.cpu, f)[:c].tolist() == getattr(da.cpu, f)[:c].tolist()
+        assert torch.allclose(db.cpu.weights[:c], da.cpu.weights[:c])
+        for name in ("residency", "owner", "key", "clock", "cpu_stamp"):
             assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
-    assert ca[3].sum() > 0, "the sequence should evict"
     assert torch.equal(ca, cb)
+    assert ca[3].sum() + ca[4].sum() > 0, "the sequence should evict or use the CPU"

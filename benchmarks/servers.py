@@ -1,0 +1,192 @@
+"""Start, watch and stop ``python -m sglang.launch_server`` processes for the benchmarks, with
+a GPU-memory sampler (nvidia-smi) and the full-size model shapes for dummy-weight runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional
+
+import requests
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STUBS = os.path.join(os.path.dirname(HERE), "tests", "stubs")
+
+# Flags of the CPU recipe (DEVELOPERS.md), for smoke runs on a machine without a GPU.
+CPU_FLAGS = [
+    "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+    "--disable-cuda-graph", "--max-total-tokens", "8192", "--chunked-prefill-size", "512",
+    "--dtype", "float32", "--sleep-on-idle",
+]
+
+SHAPES = {
+    # Qwen3-30B-A3B (config of Qwen/Qwen3-30B-A3B): 48 layers, 128 experts, top-8.
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    },
+}
+
+
+def write_shape(name: str, root: str) -> str:
+    """A model directory holding only the config of a full-size shape (for dummy weights)."""
+    path = os.path.join(root, name)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(SHAPES[name], f, indent=1)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GpuMemorySampler:
+    """Samples ``nvidia-smi`` memory.used of GPU 0 every ``interval`` s in a thread;
+    ``peak_gib()`` since the last ``reset()`` (0 without nvidia-smi)."""
+
+    def __init__(self, interval: float = 0.25):
+        self.interval = interval
+        self._peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                     "-i", "0"],
+                    capture_output=True, text=True, timeout=5,
+                ).stdout.strip()
+                self._peak = max(self._peak, int(out.splitlines()[0]))
+            except Exception:
+                pass
+            self._stop.wait(self.interval)
+
+    def reset(self):
+        self._peak = 0
+
+    def peak_gib(self) -> float:
+        return self._peak / 1024
+
+    def close(self):
+        self._stop.set()
+        self._t.join(timeout=5)
+
+
+class Server:
+    """A running ``launch_server`` (use as a context manager; stopped on exit).
+
+    Args:
+        model_path: the model (or a shape directory with ``--load-format dummy`` in flags).
+        flags: extra launch_server flags.
+        log_path: where its stdout and stderr go.
+        cpu: run with the CPU recipe (CPU_FLAGS, the tests' stand-in sgl_kernel).
+        timeout: seconds to wait for /health.
+
+    Raises:
+        RuntimeError: the process exited or did not become healthy (with the log's tail).
+    """
+
+    def __init__(self, model_path: str, flags: List[str], log_path: str, cpu: bool = False,
+                 timeout: float = 900.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = dict(os.environ)
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+               "--port", str(self.port), *flags]
+        if cpu:
+            cmd += CPU_FLAGS
+            env.update(SGLANG_USE_CPU_ENGINE="1", TRITON_INTERPRET="1")
+            env["PYTHONPATH"] = os.pathsep.join(
+                [STUBS] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+            )
+        self.cmd = cmd
+        self._log = open(log_path, "w")
+        t0 = time.time()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()[-3000:]}")
+                try:
+                    if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                if time.time() - t0 > timeout:
+                    raise RuntimeError(f"server not healthy after {timeout} s:\n{self.log()[-3000:]}")
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.time() - t0
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def weights_gb(self) -> Optional[float]:
+        """SGLang's own ``Load weight end ... mem usage`` (GB), if logged."""
+        m = re.search(r"Load weight end\..*?mem usage=([0-9.]+) GB", self.log())
+        return float(m.group(1)) if m else None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        self._log.close()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def freetoken_stats(url: str) -> Optional[Dict[str, object]]:
+    try:
+        r = requests.get(url + "/freetoken/stats", timeout=30)
+        return r.json() if r.status_code == 200 else None
+    except requests.RequestException:
+        return None

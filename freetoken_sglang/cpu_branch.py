@@ -1,0 +1,147 @@
+"""The CPU branch of a MoE layer call: run its CPU-executed experts with the C executor while
+the GPU serves hits and fills, then merge the two partial outputs (paper §3.2, §4.1).
+
+On CUDA the branch is a host-function node on a side stream: the activations and the work
+items are copied to pinned host buffers on the compute stream, the side stream calls the C
+entry point ``ft_cpu_moe_run`` through ``cuLaunchHostFunc`` (no Python runs per step, so CUDA
+graphs capture it), copies the fp32 partial back, and the compute stream waits for it before
+the merge. On a CPU device the executor runs in the calling thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Dict, Optional
+
+import torch
+
+from freetoken_sglang.residency import CpuWork
+
+_libcuda = None
+
+
+def _launch_host_func(stream: int, fn: int, data: int) -> None:
+    """``cuLaunchHostFunc(stream, fn, data)`` (driver API; capturable into CUDA graphs)."""
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        lib.cuLaunchHostFunc.restype = ctypes.c_int
+        _libcuda = lib
+    rc = _libcuda.cuLaunchHostFunc(stream, fn, data)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchHostFunc failed with CUresult {rc}")
+
+
+class CpuBranch:
+    """Stages a layer call's CPU work, runs it, and merges its partial output.
+
+    Args:
+        executor: the C executor over the host pool (``cpu_executor.CpuExpertExecutor``).
+        device: the serving device.
+        hidden_size: H.
+        top_k: k.
+        act_dtype: activation dtype of the layer inputs.
+        max_rows: rows per call the pinned buffers hold at first (they grow outside graph
+            capture; a captured call beyond them raises).
+    """
+
+    def __init__(
+        self,
+        executor,
+        device: torch.device,
+        hidden_size: int,
+        top_k: int,
+        act_dtype: torch.dtype,
+        max_rows: int = 64,
+    ):
+        self.executor = executor
+        self.device = torch.device(device)
+        self.hidden_size = hidden_size
+        self.top_k = top_k
+        self.act_dtype = act_dtype
+        self.max_rows = 0
+        self._done: Optional[torch.cuda.Event] = None
+        self._partial: Optional[torch.Tensor] = None
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device)
+            self._entry = executor.task_entry_address
+            self._grow(max_rows)
+
+    def _grow(self, rows: int) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"FreeToken CPU branch: a captured layer call has {rows} rows, more than the "
+                f"{self.max_rows} its buffers were sized for"
+            )
+        H, n = self.hidden_size, rows * self.top_k
+        pinned = dict(device="cpu", pin_memory=True)
+        self.x_host = torch.empty(rows, H, dtype=self.act_dtype, **pinned)
+        self.rows_host = torch.zeros(n, dtype=torch.int32, **pinned)
+        self.experts_host = torch.zeros(n, dtype=torch.int32, **pinned)
+        self.weights_host = torch.zeros(n, dtype=torch.float32, **pinned)
+        self.count_host = torch.zeros(1, dtype=torch.int32, **pinned)
+        self.out_host = torch.zeros(rows, H, dtype=torch.float32, **pinned)
+        self.out_dev = torch.zeros(rows, H, dtype=torch.float32, device=self.device)
+        self.tasks: Dict[int, object] = {}
+        self.max_rows = rows
+
+    def _task(self, rows: int):
+        task = self.tasks.get(rows)
+        if task is None:
+            task = self.executor.make_task(
+                x_ptr=self.x_host.data_ptr(),
+                x_dtype=self.act_dtype,
+                n_rows=rows,
+                rows_ptr=self.rows_host.data_ptr(),
+                experts_ptr=self.experts_host.data_ptr(),
+                weights_ptr=self.weights_host.data_ptr(),
+                out_ptr=self.out_host.data_ptr(),
+                n_items_ptr=self.count_host.data_ptr(),
+                zero_output=True,
+            )
+            self.tasks[rows] = task
+        return task
+
+    def launch(self, x: torch.Tensor, work: CpuWork) -> None:
+        """Start the CPU work of one layer call; ``merge`` collects it.
+
+        Args:
+            x: ``[T, H]`` layer input (copied before the GPU path may overwrite it in place).
+            work: the call's CPU work items (``residency.decide``).
+        """
+        if self.device.type != "cuda":
+            n = int(work.count)
+            out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32)
+            self.executor.run(x, work.rows[:n], work.experts[:n], work.weights[:n], out)
+            self._partial = out
+            return
+        rows = x.shape[0]
+        if rows > self.max_rows:
+            self._grow(max(rows, 2 * self.max_rows))
+        n = work.rows.numel()
+        self.x_host[:rows].copy_(x, non_blocking=True)
+        self.rows_host[:n].copy_(work.rows, non_blocking=True)
+        self.experts_host[:n].copy_(work.experts, non_blocking=True)
+        self.weights_host[:n].copy_(work.weights, non_blocking=True)
+        self.count_host.copy_(work.count, non_blocking=True)
+        staged = torch.cuda.Event()
+        staged.record()
+        self.stream.wait_event(staged)
+        task = self._task(rows)
+        with torch.cuda.stream(self.stream):
+            _launch_host_func(self.stream.cuda_stream, self._entry, task.address)
+            self.out_dev[:rows].copy_(self.out_host[:rows], non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record(self.stream)
+        self._partial = self.out_dev[:rows]
+
+    def merge(self, gpu_out: torch.Tensor) -> torch.Tensor:
+        """``gpu_out + cpu partial``, summed in fp32 and returned in ``gpu_out``'s dtype (in
+        ``gpu_out`` itself)."""
+        if self._done is not None:
+            torch.cuda.current_stream().wait_event(self._done)
+            self._done = None
+        merged = gpu_out.float().add_(self._partial)
+        self._partial = None
+        return gpu_out.copy_(merged)
