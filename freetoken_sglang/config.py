@@ -113,12 +113,13 @@ class FreeTokenConfig:
     )
 
     miss_policy: str = field(
-        default="qstar",
+        default="fill",
         metadata=dict(
             type=_choice("qstar", "fill", "cpu"),
-            help="How decode-step cache misses are served: qstar (default) fills "
-            "q* = round(m * B_P / B_H) of the m misses over PCIe and runs the rest in place on "
-            "the CPU; fill sends every miss over PCIe; cpu runs every miss on the CPU.",
+            help="How decode-step cache misses are served: fill (default) sends every miss "
+            "over PCIe into the cache; qstar fills q* = round(m * B_P / B_H) of the m misses "
+            "and runs the rest in place on the CPU at the same time; cpu runs every miss on "
+            "the CPU.",
         ),
     )
     bandwidth: Optional[tuple] = field(

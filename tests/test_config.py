@@ -62,7 +62,7 @@ def test_miss_policy_flags():
         "cpu", (55.0, 90.0), "cpu", 6
     )
     default = ft.pop_config({"enable_freetoken": True})
-    assert (default.miss_policy, default.backend, default.bandwidth) == ("qstar", "gpu", None)
+    assert (default.miss_policy, default.backend, default.bandwidth) == ("fill", "gpu", None)
     kw = ft.pop_config({"enable_freetoken": True, "freetoken_bandwidth": (20, 40)})
     assert kw.bandwidth == (20.0, 40.0)
 
