@@ -1,5 +1,7 @@
 """GPU equality check: greedy tokens of a server with ``--enable-freetoken`` (25% cache, CUDA
-graphs on) equal stock SGLang's, in BF16, on a tiny random checkpoint.
+graphs on) equal stock SGLang's, in BF16, on a tiny random checkpoint (``--miss-policy fill``;
+with ``qstar`` / ``cpu`` the CPU executor's BF16 arithmetic differs from the GPU's, so the
+report shows where the first token differs, if anywhere).
 
     python benchmarks/gpu_equality.py --family qwen3_moe --out results.json
 """
@@ -49,6 +51,8 @@ def main():
     ap.add_argument("--family", default="qwen3_moe")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--workdir", default="/tmp/ft-gpu-eq")
+    ap.add_argument("--miss-policy", default="fill", choices=["fill", "qstar", "cpu"])
+    ap.add_argument("--bandwidth", default=None, help="B_P,B_H for qstar (else measured)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from freetoken_sglang.tiny_models import TinyShape, build_tiny_checkpoint
@@ -61,7 +65,14 @@ def main():
         dtype="bfloat16",
     )
     stock = run(path, a.new_tokens, {})
-    ft = run(path, a.new_tokens, {"enable_freetoken": True, "freetoken_cache_ratio": 0.25})
+    ft_kwargs = {
+        "enable_freetoken": True,
+        "freetoken_cache_ratio": 0.25,
+        "freetoken_miss_policy": a.miss_policy,
+    }
+    if a.bandwidth:
+        ft_kwargs["freetoken_bandwidth"] = a.bandwidth
+    ft = run(path, a.new_tokens, ft_kwargs)
     same = {k: stock[k] == ft[k] for k in ("sequential", "batched")}
     first_diff = [
         next((j for j, (x, y) in enumerate(zip(s, f)) if x != y), None)
@@ -69,6 +80,7 @@ def main():
     ]
     result = {
         "family": a.family,
+        "miss_policy": a.miss_policy,
         "prompts": len(PROMPTS),
         "new_tokens": a.new_tokens,
         "identical": same,
