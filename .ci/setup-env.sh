@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (once) with SGLang 0.5.17 and freetoken-sglang installed, then exits.
 # On a machine with an NVIDIA GPU: SGLang with its own pinned dependencies (torch 2.11).
-# Without one (dev and CI machines): the checked CPU recipe of DEVELOPERS.md - torch 2.14.1
+# Without one (dev and CI machines): the CPU recipe of the README ("Running on the CPU") - torch 2.14.1
 # and torchvision 0.29.1 (from the machine's local package store), SGLang without its CUDA
 # dependencies, and its pure-Python dependencies.
 set -euo pipefail

@@ -29,13 +29,13 @@ import json
 import os
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import serve_bench  # noqa: E402
-from servers import GpuMemorySampler, Server, freetoken_stats, write_shape  # noqa: E402
+from servers import GpuMemorySampler, Server, write_shape  # noqa: E402
 
 FT = ["--enable-freetoken"]
 
@@ -68,7 +68,8 @@ def system_flags(name: str, args, pool_gib: float, trace_dir: str) -> List[str]:
     if name == "ft-allhit":
         return FT + ["--freetoken-cache-ratio", "1.0", "--freetoken-miss-policy", "fill"]
     if name.startswith("ft-"):
-        return FT + ratio + ["--freetoken-miss-policy", name[3:]] + bw + record
+        policy = name[3:]
+        return FT + ratio + ["--freetoken-miss-policy", policy] + (bw if policy == "qstar" else []) + record
     raise ValueError(f"unknown system {name!r}")
 
 

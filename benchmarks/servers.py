@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -18,12 +19,24 @@ import requests
 HERE = os.path.dirname(os.path.abspath(__file__))
 STUBS = os.path.join(os.path.dirname(HERE), "tests", "stubs")
 
-# Flags of the CPU recipe (DEVELOPERS.md), for smoke runs on a machine without a GPU.
+# Flags of the CPU recipe (README: "Running on the CPU"), for tests and smoke runs without a GPU.
 CPU_FLAGS = [
     "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
     "--disable-cuda-graph", "--max-total-tokens", "8192", "--chunked-prefill-size", "512",
-    "--dtype", "float32", "--sleep-on-idle",
+    "--skip-server-warmup", "--dtype", "float32", "--sleep-on-idle",
 ]
+
+
+def cpu_env(base: Optional[dict] = None) -> dict:
+    """Environment of a CPU-run SGLang process: the CPU engine, Triton's interpreter and the
+    tests' stand-in ``sgl_kernel`` first on PYTHONPATH."""
+    env = dict(os.environ if base is None else base)
+    env.update(SGLANG_USE_CPU_ENGINE="1", TRITON_INTERPRET="1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [STUBS] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    return env
 
 SHAPES = {
     # Qwen3-30B-A3B (config of Qwen/Qwen3-30B-A3B): 48 layers, 128 experts, top-8.
@@ -114,9 +127,9 @@ class Server:
 
     Args:
         model_path: the model (or a shape directory with ``--load-format dummy`` in flags).
-        flags: extra launch_server flags.
+        flags: extra launch_server flags (after the CPU recipe's, so they override it).
         log_path: where its stdout and stderr go.
-        cpu: run with the CPU recipe (CPU_FLAGS, the tests' stand-in sgl_kernel).
+        cpu: run with the CPU recipe (CPU_FLAGS, ``cpu_env``).
         timeout: seconds to wait for /health.
 
     Raises:
@@ -128,30 +141,31 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ)
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-               "--port", str(self.port), *flags]
-        if cpu:
-            cmd += CPU_FLAGS
-            env.update(SGLANG_USE_CPU_ENGINE="1", TRITON_INTERPRET="1")
-            env["PYTHONPATH"] = os.pathsep.join(
-                [STUBS] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-            )
-        self.cmd = cmd
+        self.cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+                    "--port", str(self.port), *(CPU_FLAGS if cpu else []), *flags]
         self._log = open(log_path, "w")
         t0 = time.time()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        # Its own process group, so that stopping it also stops the scheduler and
+        # detokenizer processes it spawned.
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
+            env=cpu_env() if cpu else None, start_new_session=True,
+        )
         try:
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()[-3000:]}")
+                    raise RuntimeError(
+                        f"server exited ({self.proc.returncode}):\n{self.log()[-4000:]}"
+                    )
                 try:
                     if requests.get(self.url + "/health", timeout=2).status_code == 200:
                         break
                 except requests.RequestException:
                     pass
                 if time.time() - t0 > timeout:
-                    raise RuntimeError(f"server not healthy after {timeout} s:\n{self.log()[-3000:]}")
+                    raise RuntimeError(
+                        f"server not healthy after {timeout} s:\n{self.log()[-4000:]}"
+                    )
                 time.sleep(0.5)
         except BaseException:
             self.stop()
@@ -175,13 +189,27 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=30)
-        self._log.close()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if not self._log.closed:
+            self._log.close()
 
     def __enter__(self) -> "Server":
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def run_expecting_failure(model_path: str, flags: List[str], cpu: bool = False,
+                          timeout: float = 600.0) -> subprocess.CompletedProcess:
+    """Run ``launch_server`` until it exits (for servers that must refuse to start)."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+           "--port", str(free_port()), *(CPU_FLAGS if cpu else []), *flags]
+    return subprocess.run(cmd, env=cpu_env() if cpu else None, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def freetoken_stats(url: str) -> Optional[Dict[str, object]]:

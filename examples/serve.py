@@ -5,7 +5,7 @@ locally when no ``--model-path`` is given.
     python examples/serve.py --model-path Qwen/Qwen3-30B-A3B --freetoken-cache-gb 8
 
 Every other argument goes to ``python -m sglang.launch_server`` unchanged. Without an NVIDIA
-GPU the server runs on the CPU (DEVELOPERS.md's recipe: CPU engine, torch-native attention,
+GPU the server runs on the CPU (the README's CPU recipe: CPU engine, torch-native attention,
 no CUDA graphs, the tests' stand-in ``sgl_kernel``), which is how the example runs on a
 machine with no GPU.
 """
@@ -53,7 +53,7 @@ def main(argv=None) -> None:
         cmd += ["--device", "cpu", "--attention-backend", "torch_native",
                 "--sampling-backend", "pytorch", "--disable-cuda-graph",
                 "--max-total-tokens", "8192", "--max-running-requests", "8",
-                "--chunked-prefill-size", "512", "--sleep-on-idle"]
+                "--chunked-prefill-size", "512", "--dtype", "float32", "--sleep-on-idle"]
         env.update(SGLANG_USE_CPU_ENGINE="1", TRITON_INTERPRET="1")
         env["PYTHONPATH"] = os.pathsep.join(
             [os.path.join(ROOT, "tests", "stubs")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -62,9 +62,10 @@ def main(argv=None) -> None:
     cmd += rest
     print(" ".join(cmd), flush=True)
     print(
-        f"try: curl http://127.0.0.1:{args.port}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"when it is up (Ctrl+C stops it), try (any model name works):\n"
+        f"  curl http://127.0.0.1:{args.port}/v1/chat/completions -H 'Content-Type: application/json' "
         "-d '{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"hello\"}], \"max_tokens\": 16}'\n"
-        f"     curl http://127.0.0.1:{args.port}/freetoken/stats",
+        f"  curl http://127.0.0.1:{args.port}/freetoken/stats",
         flush=True,
     )
     os.execvpe(cmd[0], cmd, env)

@@ -59,6 +59,12 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def expert_shape(spec) -> str:
+    """The profile's expert-shape key of a pool's ``w13_weight`` BankSpec, e.g.
+    ``1536x2048:bfloat16``."""
+    return "x".join(str(d) for d in spec.shape) + ":" + str(spec.dtype).replace("torch.", "")
+
+
 def machine_key(device: torch.device, threads: int, expert_shape: str) -> str:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
     return f"gpu={gpu}|cpu={cpu_model()}|threads={threads}|expert={expert_shape}"
@@ -165,10 +171,7 @@ def resolve(
     expert shape, else a measurement now (a few seconds; stored in ``cache_path``)."""
     if flag is not None:
         return Bandwidth(flag[0], flag[1], "flag --freetoken-bandwidth")
-    shape = "x".join(str(d) for d in pool.specs["w13_weight"].shape) + ":" + str(
-        pool.specs["w13_weight"].dtype
-    ).replace("torch.", "")
-    key = machine_key(device, executor.num_threads, shape)
+    key = machine_key(device, executor.num_threads, expert_shape(pool.specs["w13_weight"]))
     cached = load_cached(cache_path, key)
     if cached:
         return Bandwidth(cached["B_P"], cached["B_H"], f"cache {cache_path}")

@@ -157,14 +157,6 @@ class FreeTokenConfig:
         ),
     )
 
-    def size_flag(self) -> Optional[str]:
-        """The one cache-size flag given, as ``--flag value``, or None."""
-        for name in ("cache_gb", "cache_ratio", "cache_slots"):
-            value = getattr(self, name)
-            if value is not None:
-                return f"--freetoken-{name.replace('_', '-')} {value}"
-        return None
-
 
 def cli_name(field_name: str) -> str:
     return "--freetoken-" + field_name.replace("_", "-")
@@ -245,7 +237,38 @@ def pop_config(kwargs: Dict[str, Any]) -> Optional[FreeTokenConfig]:
         raise ValueError(
             f"give at most one cache size, got {[kwarg_name(k) for k in sizes]}"
         )
-    return FreeTokenConfig(**values)
+    cfg = FreeTokenConfig(**values)
+    check_combination(cfg, non_default)
+    return cfg
+
+
+def check_combination(cfg: FreeTokenConfig, given) -> None:
+    """Refuse flags that the other flags would make ineffective (nothing is silently ignored).
+
+    Raises:
+        ValueError: naming the flag to drop or the one to add.
+    """
+    sizes = [k for k in ("cache_gb", "cache_ratio", "cache_slots") if getattr(cfg, k)]
+    problems = []
+    if cfg.backend == "cpu":
+        ineffective = sizes + (["bandwidth"] if cfg.bandwidth is not None else [])
+        ineffective += ["miss_policy"] if "miss_policy" in given else []
+        for name in ineffective:
+            problems.append(f"{cli_name(name)} has no effect with --freetoken-backend cpu")
+    else:
+        if cfg.bandwidth is not None and cfg.miss_policy != "qstar":
+            problems.append("--freetoken-bandwidth is used only by --freetoken-miss-policy qstar")
+        if cfg.cpu_threads is not None and cfg.miss_policy == "fill":
+            problems.append(
+                "--freetoken-cpu-threads is used only when misses run on the CPU "
+                "(--freetoken-miss-policy qstar or cpu, or --freetoken-backend cpu)"
+            )
+        if sizes and "kv_reserve_gb" in given:
+            problems.append(
+                "--freetoken-kv-reserve-gb applies only without a cache-size flag"
+            )
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def apply_server_args_overrides(kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -275,8 +298,20 @@ def apply_server_args_overrides(kwargs: Dict[str, Any]) -> Dict[str, Any]:
         problems.append(
             f"--moe-runner-backend {backend} is not supported: use auto or triton"
         )
-    if kwargs.get("enable_lora"):
-        problems.append("--enable-lora is not supported")
+    if (kwargs.get("moe_a2a_backend") or "none") != "none":
+        problems.append("--moe-a2a-backend is not supported")
+    for flag in (
+        "enable_lora",
+        "enable_dp_attention",
+        "enable_two_batch_overlap",
+        "enable_single_batch_overlap",
+        "enable_torch_compile",
+        "enable_mixed_chunk",
+    ):
+        if kwargs.get(flag):
+            problems.append(f"--{flag.replace('_', '-')} is not supported")
+    if (kwargs.get("disaggregation_mode") or "null") != "null":
+        problems.append("prefill/decode disaggregation is not supported")
     if problems:
         raise ValueError("--enable-freetoken: " + "; ".join(problems))
     if not kwargs.get("disable_shared_experts_fusion"):

@@ -42,8 +42,8 @@ class CpuBranch:
         hidden_size: H.
         top_k: k.
         act_dtype: activation dtype of the layer inputs.
-        max_rows: rows per call the pinned buffers hold at first (they grow outside graph
-            capture; a captured call beyond them raises).
+        max_rows: the most rows of one call: the pinned buffers are allocated once, at this
+            size, and never move (captured graphs hold their addresses).
     """
 
     def __init__(
@@ -60,20 +60,16 @@ class CpuBranch:
         self.hidden_size = hidden_size
         self.top_k = top_k
         self.act_dtype = act_dtype
-        self.max_rows = 0
+        self.max_rows = max_rows
         self._done: Optional[torch.cuda.Event] = None
         self._partial: Optional[torch.Tensor] = None
+        self.tasks: Dict[int, object] = {}
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
             self._entry = executor.task_entry_address
-            self._grow(max_rows)
+            self._allocate(max_rows)
 
-    def _grow(self, rows: int) -> None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"FreeToken CPU branch: a captured layer call has {rows} rows, more than the "
-                f"{self.max_rows} its buffers were sized for"
-            )
+    def _allocate(self, rows: int) -> None:
         H, n = self.hidden_size, rows * self.top_k
         pinned = dict(device="cpu", pin_memory=True)
         self.x_host = torch.empty(rows, H, dtype=self.act_dtype, **pinned)
@@ -83,8 +79,6 @@ class CpuBranch:
         self.count_host = torch.zeros(1, dtype=torch.int32, **pinned)
         self.out_host = torch.zeros(rows, H, dtype=torch.float32, **pinned)
         self.out_dev = torch.zeros(rows, H, dtype=torch.float32, device=self.device)
-        self.tasks: Dict[int, object] = {}
-        self.max_rows = rows
 
     def _task(self, rows: int):
         task = self.tasks.get(rows)
@@ -118,7 +112,10 @@ class CpuBranch:
             return
         rows = x.shape[0]
         if rows > self.max_rows:
-            self._grow(max(rows, 2 * self.max_rows))
+            raise RuntimeError(
+                f"FreeToken CPU branch: a layer call of {rows} rows, more than the "
+                f"{self.max_rows} rows its buffers were sized for at start"
+            )
         n = work.rows.numel()
         self.x_host[:rows].copy_(x, non_blocking=True)
         self.rows_host[:n].copy_(work.rows, non_blocking=True)
@@ -137,11 +134,27 @@ class CpuBranch:
         self._partial = self.out_dev[:rows]
 
     def merge(self, gpu_out: torch.Tensor) -> torch.Tensor:
-        """``gpu_out + cpu partial``, summed in fp32 and returned in ``gpu_out``'s dtype (in
-        ``gpu_out`` itself)."""
+        """Add the CPU partial (fp32 ``[T, H]``) to ``gpu_out`` (``[T, H]``, the layer dtype)
+        in place, computing in fp32; returns ``gpu_out``."""
         if self._done is not None:
             torch.cuda.current_stream().wait_event(self._done)
             self._done = None
-        merged = gpu_out.float().add_(self._partial)
+        gpu_out.add_(self._partial)
         self._partial = None
-        return gpu_out.copy_(merged)
+        return gpu_out
+
+    def check(self) -> None:
+        """Raise if a host-function run failed (its output was zeroed, so the step's result
+        lacks that layer's CPU experts). Call off the hot path, e.g. after each step.
+
+        Raises:
+            RuntimeError: naming the C error and the offending work item.
+        """
+        for rows, task in self.tasks.items():
+            if task.status != 0:
+                from freetoken_sglang.cpu_executor import _strerror
+
+                raise RuntimeError(
+                    f"FreeToken: the CPU expert executor failed in a layer call of {rows} rows: "
+                    f"{_strerror(task.status)} (item {task.error_index})"
+                )

@@ -7,7 +7,7 @@ MoE layer is built. A model outside this table fails at start and names itself.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 
 class UnsupportedModelError(ValueError):
@@ -127,5 +127,3 @@ def expert_intermediate_size(hf_config) -> int:
 def top_k(hf_config) -> int:
     return int(hf_config.num_experts_per_tok)
 
-
-LayerRule = Callable[[object], List[int]]

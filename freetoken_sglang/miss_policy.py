@@ -46,10 +46,6 @@ class MissPolicy:
                 raise ValueError("the qstar miss policy needs positive B_P and B_H")
 
     @property
-    def uses_cpu(self) -> bool:
-        return self.name != "fill"
-
-    @property
     def decode_split(self) -> MissSplit:
         """The split of a decode-sized layer call."""
         if self.name == "fill":

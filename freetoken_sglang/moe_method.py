@@ -76,6 +76,7 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config):
         self.moe_runner_config = moe_runner_config
         self.base_method.create_moe_runner(layer, moe_runner_config)
+        # FusedMoE.__init__ copies ``quant_method.runner`` onto the layer.
         self.runner = self.base_method.runner
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:

@@ -169,7 +169,7 @@ class HostExpertPool:
         return True
 
     def unpin(self) -> None:
-        """Undo ``pin`` (used on a partial failure and at shutdown)."""
+        """Undo ``pin`` (used when pinning fails part way)."""
         if not self._registered_ptrs:
             return
         cudart = torch.cuda.cudart()

@@ -63,8 +63,7 @@ def main(argv=None) -> None:
     with CpuExpertExecutor(pool.banks, num_threads=a.threads) as ex:
         b_p = bandwidth.measure_fill(pool.banks, pool.device_banks, device)
         b_h = bandwidth.measure_executor(ex, int(hf_config.hidden_size), pool.specs["w13_weight"].dtype)
-        spec = pool.specs["w13_weight"]
-        shape = "x".join(str(d) for d in spec.shape) + ":" + str(spec.dtype).replace("torch.", "")
+        shape = bandwidth.expert_shape(pool.specs["w13_weight"])
         key = bandwidth.machine_key(device, ex.num_threads, shape)
         entry = {
             "B_P": b_p,

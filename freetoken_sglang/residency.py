@@ -25,7 +25,6 @@ never evicted by that same step. Keys are unique, so the order is the same on ev
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
 
 import torch
 
@@ -115,8 +114,15 @@ class ResidencyState:
         self.cpu_stamp.zero_()
 
     def make_all_resident(self) -> None:
-        """Slot ``i`` holds flat expert ``i`` for every expert (requires S >= L*E)."""
-        assert self.num_slots >= self.num_rows
+        """Slot ``i`` holds flat expert ``i`` for every expert.
+
+        Raises:
+            ValueError: fewer slots than experts (S < L*E).
+        """
+        if self.num_slots < self.num_rows:
+            raise ValueError(
+                f"{self.num_slots} slots cannot hold all {self.num_rows} experts resident"
+            )
         ids = torch.arange(self.num_rows, dtype=torch.int32, device=self.owner.device)
         self.reset()
         self.residency[: self.num_rows] = ids

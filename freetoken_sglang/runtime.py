@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -127,7 +127,13 @@ class FreeTokenRuntime:
                 f"has MoE layers {self.moe_layer_ids}"
             )
         sa = model_runner.server_args
-        max_tokens = max(sa.max_prefill_tokens or 0, sa.chunked_prefill_size or 0, 1)
+        # The most rows one forward can carry (prefill chunks, decode batches).
+        max_tokens = max(
+            sa.max_prefill_tokens or 0,
+            sa.chunked_prefill_size or 0,
+            sa.max_running_requests or 0,
+            1,
+        )
         t0 = time.perf_counter()
         pinned = False
         if self.device.type == "cuda" and self.backend == "gpu":
@@ -189,7 +195,9 @@ class FreeTokenRuntime:
             "GiB; pinning took %.2f s.",
             self.family,
             self.pool.describe(),
-            self.backend,
+            self.backend
+            if self.device.type == "cuda"
+            else f"{self.backend} (a CPU device: the slot pool is in host memory)",
             self.cache.describe(),
             size.reason,
             self.describe_policy(),
@@ -215,8 +223,6 @@ class FreeTokenRuntime:
             self.pool.banks, activation=activation, num_threads=self.config.cpu_threads
         )
         rows = max_tokens if self.backend == "cpu" else SPLIT_MAX_TOKENS
-        if self.device.type == "cuda" and self.backend == "cpu":
-            rows = min(rows, 1024)  # grows on demand outside graph capture
         self.cpu_branch = CpuBranch(
             self.executor,
             self.device,
@@ -267,7 +273,10 @@ class FreeTokenRuntime:
         self.num_valid.fill_(num_tokens)
 
     def end_step(self, phase: str, num_tokens: int) -> None:
-        """After a forward step: append its routing to the trace when recording."""
+        """After a forward step: raise if a CPU expert run failed, and append the step's
+        routing to the trace when recording."""
+        if self.cpu_branch is not None:
+            self.cpu_branch.check()
         if self.recorder is not None:
             self.recorder.end_step(phase, num_tokens)
 

@@ -1211,6 +1211,13 @@ void ft_cpu_moe_run(void *task) {
     pthread_mutex_lock(&ex->run_lock);
     t->status = run_locked(ex, t);
     pthread_mutex_unlock(&ex->run_lock);
+    /* A failed run must not leave a stale partial behind for the caller to merge: with
+     * FT_RUN_ZERO_OUTPUT the output is zero whatever happened (the status says why). */
+    if (t->status != FT_OK && (t->flags & FT_RUN_ZERO_OUTPUT) && t->out && t->n_rows > 0 &&
+        t->out_row_stride >= ex->pool.hidden)
+        for (int r = 0; r < t->n_rows; r++)
+            memset(t->out + (size_t)r * t->out_row_stride, 0,
+                   (size_t)ex->pool.hidden * sizeof(float));
 }
 
 int ft_executor_run(ft_executor *ex, const void *x, int32_t x_dtype, int64_t x_row_stride,

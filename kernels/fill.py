@@ -3,6 +3,8 @@ through unified virtual addressing (the ``uva`` fill of ``freetoken_sglang/fill.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,7 @@ def _copy_rows_kernel(
         tl.store(dst_ptr + d * row_elems + offs, v, mask=mask)
 
 
+@functools.lru_cache(maxsize=None)
 def _max_programs(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
@@ -66,8 +69,13 @@ def copy_rows(
         src_idx, dst_idx: int32 ``[K]`` on the device.
         count: int32 ``[1]`` on the device; entries at or past it are skipped.
     """
-    assert src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype
-    assert src.is_contiguous() and dst.is_contiguous()
+    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+        raise ValueError(
+            f"copy_rows: rows differ: src {tuple(src.shape[1:])} {src.dtype}, "
+            f"dst {tuple(dst.shape[1:])} {dst.dtype}"
+        )
+    if not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError("copy_rows needs contiguous src and dst banks")
     k = src_idx.numel()
     if k == 0:
         return

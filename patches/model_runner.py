@@ -57,7 +57,7 @@ def forward_raw(original, self, forward_batch, *args, **kwargs):
     n = ids.shape[0] if ids is not None else forward_batch.positions.shape[0]
     rt.set_num_valid(n)
     result = original(self, forward_batch, *args, **kwargs)
-    if rt.recorder is not None:
+    if rt.recorder is not None or rt.cpu_branch is not None:
         phase = "decode" if forward_batch.forward_mode.is_decode() else "prefill"
         rt.end_step(phase, n)
     return result

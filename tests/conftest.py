@@ -1,4 +1,4 @@
-"""Test set-up: SGLang runs on the CPU (DEVELOPERS.md recipe) with the stand-in sgl_kernel,
+"""Test set-up: SGLang runs on the CPU (the README's CPU recipe) with the stand-in sgl_kernel,
 and tiny random checkpoints are built once per session."""
 
 from __future__ import annotations

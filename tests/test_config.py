@@ -54,17 +54,40 @@ def test_bad_flag_values_are_argparse_errors(argv, capsys):
 
 def test_miss_policy_flags():
     args = parser().parse_args(
-        ["--enable-freetoken", "--freetoken-miss-policy", "cpu", "--freetoken-bandwidth",
-         "55,90", "--freetoken-backend", "cpu", "--freetoken-cpu-threads", "6"]
+        ["--enable-freetoken", "--freetoken-miss-policy", "qstar", "--freetoken-bandwidth",
+         "55,90", "--freetoken-cpu-threads", "6", "--freetoken-record-routing", "/tmp/t.npz"]
     )
     cfg = ft.pop_config(dict(vars(args)))
     assert (cfg.miss_policy, cfg.bandwidth, cfg.backend, cfg.cpu_threads) == (
-        "cpu", (55.0, 90.0), "cpu", 6
+        "qstar", (55.0, 90.0), "gpu", 6
     )
+    assert cfg.record_routing == "/tmp/t.npz"
+    args = parser().parse_args(["--enable-freetoken", "--freetoken-backend", "cpu"])
+    assert ft.pop_config(dict(vars(args))).backend == "cpu"
     default = ft.pop_config({"enable_freetoken": True})
     assert (default.miss_policy, default.backend, default.bandwidth) == ("fill", "gpu", None)
-    kw = ft.pop_config({"enable_freetoken": True, "freetoken_bandwidth": (20, 40)})
+    kw = ft.pop_config(
+        {"enable_freetoken": True, "freetoken_miss_policy": "qstar", "freetoken_bandwidth": (20, 40)}
+    )
     assert kw.bandwidth == (20.0, 40.0)
+
+
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        ({"freetoken_backend": "cpu", "freetoken_cache_ratio": 0.5},
+         "--freetoken-cache-ratio has no effect with --freetoken-backend cpu"),
+        ({"freetoken_backend": "cpu", "freetoken_miss_policy": "qstar"},
+         "--freetoken-miss-policy has no effect"),
+        ({"freetoken_bandwidth": "10,20"}, "used only by --freetoken-miss-policy qstar"),
+        ({"freetoken_cpu_threads": 4}, "--freetoken-cpu-threads is used only when"),
+        ({"freetoken_cache_slots": 8, "freetoken_kv_reserve_gb": 4},
+         "applies only without a cache-size flag"),
+    ],
+)
+def test_ineffective_flag_combinations_are_refused(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        ft.pop_config({"enable_freetoken": True, **kw})
 
 
 def test_engine_keywords_are_validated():
@@ -93,6 +116,11 @@ def test_server_args_overrides():
         ({"cpu_offload_gb": 4}, "--cpu-offload-gb"),
         ({"moe_runner_backend": "flashinfer_cutlass"}, "--moe-runner-backend"),
         ({"speculative_algorithm": "EAGLE"}, "speculative"),
+        ({"enable_mixed_chunk": True}, "--enable-mixed-chunk is not supported"),
+        ({"enable_torch_compile": True}, "--enable-torch-compile is not supported"),
+        ({"enable_dp_attention": True}, "--enable-dp-attention is not supported"),
+        ({"moe_a2a_backend": "deepep"}, "--moe-a2a-backend"),
+        ({"disaggregation_mode": "prefill"}, "disaggregation"),
     ]:
         with pytest.raises(ValueError, match=needle):
             ft.apply_server_args_overrides(dict(bad))

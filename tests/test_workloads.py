@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -268,13 +265,21 @@ def test_summary_and_stats_delta():
     assert s["mean_ttft_s"] == 2.0 and s["worst_ttft_s"] == 3.0 and s["mean_decode_tok_s"] == 20.0
     assert s["prompt_tokens"] == 250 and s["cached_tokens"] == 100 and s["prefill_tokens"] == 150
     assert s["cached_fraction"] == pytest.approx(0.4)
-    before = {"total": {"reads": 10, "hits": 4, "fills": 6, "evictions": 2},
-              "layers": [{"layer_id": 0, "reads": 10, "hits": 4, "fills": 6, "evictions": 2}]}
-    after = {"total": {"reads": 30, "hits": 19, "fills": 11, "evictions": 5},
-             "layers": [{"layer_id": 0, "reads": 30, "hits": 19, "fills": 11, "evictions": 5}]}
+    before = {"total": {"reads": 10, "hits": 4, "fills": 6, "evictions": 2, "cpu": 0},
+              "decode": {"reads": 4, "hits": 1, "fills": 3, "evictions": 1, "cpu": 0},
+              "layers": [{"layer_id": 0, "reads": 10, "hits": 4, "fills": 6, "evictions": 2,
+                          "cpu": 0}]}
+    after = {"total": {"reads": 32, "hits": 19, "fills": 11, "evictions": 5, "cpu": 2},
+             "decode": {"reads": 10, "hits": 5, "fills": 3, "evictions": 1, "cpu": 2},
+             "layers": [{"layer_id": 0, "reads": 32, "hits": 19, "fills": 11, "evictions": 5,
+                         "cpu": 2}]}
     d = sb.stats_delta(before, after)
-    assert d["total"] == {"reads": 20, "hits": 15, "fills": 5, "evictions": 3, "hit_rate": 0.75}
-    assert d["layers"] == [{"layer_id": 0, "reads": 20, "hits": 15, "fills": 5, "evictions": 3}]
+    assert d["total"] == {"reads": 22, "hits": 15, "fills": 5, "evictions": 3, "cpu": 2,
+                          "hit_rate": 15 / 22}
+    assert d["decode"] == {"reads": 6, "hits": 4, "fills": 0, "evictions": 0, "cpu": 2,
+                           "hit_rate": 4 / 6}
+    assert d["layers"] == [{"layer_id": 0, "reads": 22, "hits": 15, "fills": 5, "evictions": 3,
+                            "cpu": 2}]
     assert sb.stats_delta(None, after) is None
 
 
@@ -291,60 +296,21 @@ def test_freetoken_stats_is_none_without_the_route():
 # ---------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def freetoken_server(tiny_model, tmp_path_factory):
-    import requests
+    from sglang_cpu import start_server
 
-    port = _free_port()
-    env = dict(os.environ)
-    env.update(SGLANG_USE_CPU_ENGINE="1", TRITON_INTERPRET="1", HF_HUB_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.join(ROOT, "tests", "stubs")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    args = [sys.executable, "-m", "sglang.launch_server", "--model-path", tiny_model,
-            "--device", "cpu", "--attention-backend", "torch_native",
-            "--sampling-backend", "pytorch", "--disable-cuda-graph",
-            "--max-total-tokens", "8192", "--max-running-requests", "4",
-            "--chunked-prefill-size", "512", "--skip-server-warmup", "--dtype", "float32",
-            "--port", str(port), "--enable-cache-report", "--sleep-on-idle",
-            "--enable-freetoken", "--freetoken-cache-ratio", "0.25"]
-    log_path = tmp_path_factory.mktemp("srv") / "server.log"
-    log = open(log_path, "w")
-    # its own process group, so the scheduler and detokenizer children go with it
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    log_path = str(tmp_path_factory.mktemp("srv") / "server.log")
+    server = start_server(
+        tiny_model,
+        ["--enable-cache-report", "--enable-freetoken", "--freetoken-cache-ratio", "0.25"],
+        log_path=log_path,
+        max_running_requests=4,
+    )
     try:
-        deadline = time.time() + 240
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{open(log_path).read()[-4000:]}")
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"server not healthy:\n{open(log_path).read()[-4000:]}")
-            time.sleep(0.5)
-        yield url
+        yield server.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-        try:  # children still in the server's process group
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        log.close()
+        server.stop()
 
 
 def test_serve_bench_smoke_run_with_freetoken(freetoken_server, tiny_model, tmp_path):
