@@ -18,6 +18,17 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.join(HERE, "stubs"))
 
 
+# ServerArgs of the CPU recipe (README: "Running on the CPU"), with FreeToken on.
+CPU_SERVER_ARGS = dict(
+    device="cpu",
+    attention_backend="torch_native",
+    sampling_backend="pytorch",
+    disable_cuda_graph=True,
+    dtype="float32",
+    enable_freetoken=True,
+)
+
+
 def load_model_runner(model_path: str, **server_kwargs):
     from sglang.srt.plugins import load_plugins
 
@@ -27,18 +38,9 @@ def load_model_runner(model_path: str, **server_kwargs):
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import PortArgs, ServerArgs
 
-    kwargs = dict(
-        model_path=model_path,
-        device="cpu",
-        attention_backend="torch_native",
-        sampling_backend="pytorch",
-        disable_cuda_graph=True,
-        dtype="float32",
-        max_total_tokens=1024,
-        enable_freetoken=True,
+    sa = ServerArgs(
+        model_path=model_path, max_total_tokens=1024, **CPU_SERVER_ARGS, **server_kwargs
     )
-    kwargs.update(server_kwargs)
-    sa = ServerArgs(**kwargs)
     publish(sa, role="test")
     initialize_moe_config(sa)
     runner, _ = load_model(sa, PortArgs.init_new(sa), 0, 0)
@@ -112,15 +114,10 @@ def check_engine(model_path: str, **kw) -> dict:
 
     engine = sgl.Engine(
         model_path=model_path,
-        device="cpu",
-        attention_backend="torch_native",
-        sampling_backend="pytorch",
-        disable_cuda_graph=True,
-        dtype="float32",
         max_total_tokens=2048,
         max_running_requests=4,
         skip_server_warmup=True,
-        enable_freetoken=True,
+        **CPU_SERVER_ARGS,
         **kw,
     )
     try:
