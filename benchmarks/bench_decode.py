@@ -83,7 +83,9 @@ def run_system(label, model_path, flags, args, sampler, log_dir) -> Dict[str, ob
         prompt = lambda: [rng.randrange(1000, 100000) for _ in range(args.input_len)]
         stream_generate(url, prompt(), 16)  # warm-up (first request; its misses fill the cache)
         sampler.reset()
+        before_bs1 = freetoken_stats(url)
         b1 = [stream_generate(url, prompt(), args.new_tokens) for _ in range(args.repeats)]
+        before_bs4 = freetoken_stats(url)
         result["bs1_decode_tok_s"] = sum(r["decode_tok_s"] for r in b1) / len(b1)
         result["bs1_ttft_s"] = sum(r["ttft_s"] for r in b1) / len(b1)
         with ThreadPoolExecutor(4) as ex:
@@ -95,6 +97,9 @@ def run_system(label, model_path, flags, args, sampler, log_dir) -> Dict[str, ob
         result["peak_gpu_gib_serving"] = sampler.peak_gib()
         s = freetoken_stats(url)
         if s is not None:
+            # Counters of the decode-sized layer calls during each measurement.
+            result["bs1_decode_counts"] = window(before_bs1, before_bs4)
+            result["bs4_decode_counts"] = window(before_bs4, s)
             result["freetoken"] = {
                 "total": s["total"],
                 "decode": s.get("decode"),
@@ -111,6 +116,15 @@ def run_system(label, model_path, flags, args, sampler, log_dir) -> Dict[str, ob
     return result
 
 
+def window(before: dict, after: dict) -> Dict[str, object]:
+    """Decode-phase counter differences between two ``/freetoken/stats`` documents, with
+    the window's hit rate."""
+    d = {f: after["decode"][f] - before["decode"][f]
+         for f in ("reads", "hits", "fills", "evictions", "cpu")}
+    d["hit_rate"] = d["hits"] / d["reads"] if d["reads"] else None
+    return d
+
+
 def table(results: List[Dict[str, object]]) -> str:
     base = results[0]
     cols = [
@@ -121,15 +135,18 @@ def table(results: List[Dict[str, object]]) -> str:
         ("peak_gpu_gib_serving", "peak GPU GiB serving"),
         ("sglang_weight_gb", "weights GB (SGLang)"),
     ]
-    lines = ["| system | " + " | ".join(c[1] for c in cols) + " | bs1 ratio vs " + base["label"] + " | hit rate |"]
-    lines.append("|" + "---|" * (len(cols) + 3))
+    lines = ["| system | " + " | ".join(c[1] for c in cols) + " | bs1 ratio vs " + base["label"]
+             + " | hit rate bs1 | hit rate bs4 | cpu share bs1 |"]
+    lines.append("|" + "---|" * (len(cols) + 5))
     for r in results:
         cells = [f"{r.get(k) if r.get(k) is not None else float('nan'):.2f}" for k, _ in cols]
         ratio = r.get("bs1_decode_tok_s", float("nan")) / base.get("bs1_decode_tok_s", float("nan"))
-        hit = r.get("freetoken", {}).get("total", {}).get("hit_rate")
+        w1, w4 = r.get("bs1_decode_counts") or {}, r.get("bs4_decode_counts") or {}
+        fmt = lambda v: f"{v:.3f}" if v is not None else "-"
+        cpu = w1["cpu"] / w1["reads"] if w1.get("reads") else None
         lines.append(
             f"| {r['label']} | " + " | ".join(cells) + f" | {ratio:.3f} | "
-            + (f"{hit:.3f}" if hit is not None else "-") + " |"
+            f"{fmt(w1.get('hit_rate'))} | {fmt(w4.get('hit_rate'))} | {fmt(cpu)} |"
         )
     return "\n".join(lines)
 
