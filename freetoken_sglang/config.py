@@ -22,24 +22,24 @@ SERVER_ARGS_ATTR = "freetoken"
 DEFAULT_KV_RESERVE_GB = 2.0
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text!r}")
-    return value
+def _number(kind, minimum, inclusive: bool, what: str, bound: str):
+    """An argparse type: ``kind(text)`` at or above (or above) ``minimum``."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        if not (value > minimum or (inclusive and value == minimum)):  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
-    return value
+_positive_float = _number(float, 0.0, False, "a number", "greater than 0")
+_non_negative_float = _number(float, 0.0, True, "a number", "0 or more")
+_positive_int = _number(int, 1, True, "a whole number", "at least 1")
 
 
 def _bandwidth(text: str):
@@ -60,16 +60,6 @@ def _choice(*options):
         return text
 
     return parse
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
-    return value
 
 
 @dataclass
