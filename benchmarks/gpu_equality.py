@@ -92,6 +92,8 @@ def main():
     if a.out:
         with open(a.out, "w") as f:
             json.dump({**result, "stock": stock, "freetoken": ft}, f)
+    if a.miss_policy == "fill" and not all(same.values()):
+        raise SystemExit("FreeToken's greedy tokens differ from stock SGLang's (fill policy)")
 
 
 if __name__ == "__main__":
