@@ -63,6 +63,35 @@ def stream_generate(url: str, input_ids: List[int], new_tokens: int) -> Dict[str
     return {"ttft_s": first - t0, "decode_tok_s": decode, "tokens": n}
 
 
+def measure_decode(url: str, input_len: int, new_tokens: int, repeats: int,
+                   seed: int = 0) -> Dict[str, object]:
+    """Decode tok/s of a running server: one warm-up request, then ``repeats`` requests at
+    batch 1 (mean of per-request tok/s) and 4 concurrent requests (total tokens / wall time),
+    prompts of ``input_len`` random token ids, ``new_tokens`` greedy tokens each
+    (``ignore_eos``). On a FreeToken server, also the decode-phase counters of each window."""
+    rng = random.Random(seed)
+    prompt = lambda: [rng.randrange(1000, 100000) for _ in range(input_len)]
+    stream_generate(url, prompt(), 16)  # warm-up (first request; its misses fill the cache)
+    result: Dict[str, object] = {}
+    before_bs1 = freetoken_stats(url)
+    b1 = [stream_generate(url, prompt(), new_tokens) for _ in range(repeats)]
+    before_bs4 = freetoken_stats(url)
+    result["bs1_decode_tok_s"] = sum(r["decode_tok_s"] for r in b1) / len(b1)
+    result["bs1_ttft_s"] = sum(r["ttft_s"] for r in b1) / len(b1)
+    with ThreadPoolExecutor(4) as ex:
+        t_b = time.perf_counter()
+        b4 = list(ex.map(lambda p: stream_generate(url, p, new_tokens), [prompt() for _ in range(4)]))
+        wall = time.perf_counter() - t_b
+    result["bs4_decode_tok_s_per_req"] = sum(r["decode_tok_s"] for r in b4) / 4
+    result["bs4_total_tok_s"] = sum(r["tokens"] for r in b4) / wall
+    after = freetoken_stats(url)
+    if after is not None:
+        # Counters of the decode-sized layer calls during each measurement.
+        result["bs1_decode_counts"] = window(before_bs1, before_bs4)
+        result["bs4_decode_counts"] = window(before_bs4, after)
+    return result
+
+
 def run_system(label, model_path, flags, args, sampler, log_dir) -> Dict[str, object]:
     """Start one system, measure it, stop it."""
     flags = [
@@ -79,27 +108,11 @@ def run_system(label, model_path, flags, args, sampler, log_dir) -> Dict[str, ob
         url = server.url
         result["startup_s"] = server.startup_s
         result["peak_gpu_gib_load"] = sampler.peak_gib()
-        rng = random.Random(0)
-        prompt = lambda: [rng.randrange(1000, 100000) for _ in range(args.input_len)]
-        stream_generate(url, prompt(), 16)  # warm-up (first request; its misses fill the cache)
         sampler.reset()
-        before_bs1 = freetoken_stats(url)
-        b1 = [stream_generate(url, prompt(), args.new_tokens) for _ in range(args.repeats)]
-        before_bs4 = freetoken_stats(url)
-        result["bs1_decode_tok_s"] = sum(r["decode_tok_s"] for r in b1) / len(b1)
-        result["bs1_ttft_s"] = sum(r["ttft_s"] for r in b1) / len(b1)
-        with ThreadPoolExecutor(4) as ex:
-            t_b = time.perf_counter()
-            b4 = list(ex.map(lambda _: stream_generate(url, prompt(), args.new_tokens), range(4)))
-            wall = time.perf_counter() - t_b
-        result["bs4_decode_tok_s_per_req"] = sum(r["decode_tok_s"] for r in b4) / 4
-        result["bs4_total_tok_s"] = sum(r["tokens"] for r in b4) / wall
+        result.update(measure_decode(url, args.input_len, args.new_tokens, args.repeats))
         result["peak_gpu_gib_serving"] = sampler.peak_gib()
         s = freetoken_stats(url)
         if s is not None:
-            # Counters of the decode-sized layer calls during each measurement.
-            result["bs1_decode_counts"] = window(before_bs1, before_bs4)
-            result["bs4_decode_counts"] = window(before_bs4, s)
             result["freetoken"] = {
                 "total": s["total"],
                 "decode": s.get("decode"),
@@ -126,27 +139,33 @@ def window(before: dict, after: dict) -> Dict[str, object]:
 
 
 def table(results: List[Dict[str, object]]) -> str:
+    """Markdown table; ratios are against the first system measured."""
     base = results[0]
+    nan = float("nan")
+    num = lambda r, k: r.get(k) if r.get(k) is not None else nan
     cols = [
-        ("bs1_decode_tok_s", "decode tok/s bs1"),
-        ("bs4_total_tok_s", "decode tok/s bs4 (total)"),
         ("startup_s", "start-up s"),
         ("peak_gpu_gib_load", "peak GPU GiB load"),
         ("peak_gpu_gib_serving", "peak GPU GiB serving"),
         ("sglang_weight_gb", "weights GB (SGLang)"),
     ]
-    lines = ["| system | " + " | ".join(c[1] for c in cols) + " | bs1 ratio vs " + base["label"]
-             + " | hit rate bs1 | hit rate bs4 | cpu share bs1 |"]
-    lines.append("|" + "---|" * (len(cols) + 5))
+    lines = ["| system | decode tok/s bs1 | decode tok/s bs4 (total) | bs1 ratio vs "
+             f"{base['label']} | bs4 ratio | " + " | ".join(c[1] for c in cols)
+             + " | hit rate bs1 | hit rate bs4 | CPU share bs1 | CPU share bs4 |"]
+    lines.append("|" + "---|" * (len(cols) + 9))
+    fmt = lambda v: f"{v:.3f}" if v is not None else "-"
+    share = lambda w: w["cpu"] / w["reads"] if w.get("reads") else None
     for r in results:
-        cells = [f"{r.get(k) if r.get(k) is not None else float('nan'):.2f}" for k, _ in cols]
-        ratio = r.get("bs1_decode_tok_s", float("nan")) / base.get("bs1_decode_tok_s", float("nan"))
+        if r.get("error"):
+            lines.append(f"| {r['label']} | failed: {r['error'][:80]} |" + " |" * (len(cols) + 8))
+            continue
         w1, w4 = r.get("bs1_decode_counts") or {}, r.get("bs4_decode_counts") or {}
-        fmt = lambda v: f"{v:.3f}" if v is not None else "-"
-        cpu = w1["cpu"] / w1["reads"] if w1.get("reads") else None
         lines.append(
-            f"| {r['label']} | " + " | ".join(cells) + f" | {ratio:.3f} | "
-            f"{fmt(w1.get('hit_rate'))} | {fmt(w4.get('hit_rate'))} | {fmt(cpu)} |"
+            f"| {r['label']} | {num(r, 'bs1_decode_tok_s'):.2f} | {num(r, 'bs4_total_tok_s'):.2f} | "
+            f"{num(r, 'bs1_decode_tok_s') / num(base, 'bs1_decode_tok_s'):.3f} | "
+            f"{num(r, 'bs4_total_tok_s') / num(base, 'bs4_total_tok_s'):.3f} | "
+            + " | ".join(f"{num(r, k):.2f}" for k, _ in cols)
+            + f" | {fmt(w1.get('hit_rate'))} | {fmt(w4.get('hit_rate'))} | {fmt(share(w1))} | {fmt(share(w4))} |"
         )
     return "\n".join(lines)
 
@@ -175,14 +194,17 @@ def main(argv=None):
     try:
         for spec in a.system:
             label, _, flags = spec.partition(":")
-            r = run_system(label, model, [f for f in flags.split(",") if f], a, sampler, a.out_dir)
+            try:
+                r = run_system(label, model, [f for f in flags.split(",") if f], a, sampler, a.out_dir)
+            except Exception as e:  # one failing system must not lose the others' numbers
+                r = {"label": label, "error": f"{type(e).__name__}: {e}"}
             print(json.dumps(r), flush=True)
             results.append(r)
+            with open(os.path.join(a.out_dir, "bench_decode.json"), "w") as f:
+                json.dump({"shape": a.shape, "args": vars(a), "results": results}, f, indent=1)
     finally:
         sampler.close()
     print(table(results))
-    with open(os.path.join(a.out_dir, "bench_decode.json"), "w") as f:
-        json.dump({"shape": a.shape, "args": vars(a), "results": results}, f, indent=1)
     with open(os.path.join(a.out_dir, "bench_decode.md"), "w") as f:
         f.write(table(results) + "\n")
 

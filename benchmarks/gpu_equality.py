@@ -24,6 +24,12 @@ PROMPTS = [
 ]
 
 
+def _best_two(top):
+    """The two best logprobs of a position's top-logprob list (NaN where missing)."""
+    vals = [float(t[0]) for t in (top or [])[:2]]
+    return vals + [float("nan")] * (2 - len(vals))
+
+
 def run(model_path, new_tokens, extra):
     import sglang as sgl
 
@@ -40,13 +46,39 @@ def run(model_path, new_tokens, extra):
     )
     start = time.time() - t0
     sp = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    seq = [llm.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in PROMPTS]
+    seq, logprobs = [], []
+    for p in PROMPTS:
+        o = llm.generate(input_ids=p, sampling_params=sp, return_logprob=True, top_logprobs_num=2)
+        seq.append(o["output_ids"])
+        # Per position: the chosen token's logprob and the two best logprobs.
+        logprobs.append([
+            [float(c[0])] + _best_two(top)
+            for c, top in zip(o["meta_info"]["output_token_logprobs"],
+                              o["meta_info"]["output_top_logprobs"])
+        ])
     batch = [o["output_ids"] for o in llm.generate(input_ids=PROMPTS, sampling_params=sp)]
     stats = None
     if extra:
         stats = llm.get_server_info()["internal_states"][0]["freetoken"]["total"]
     llm.shutdown()
-    return {"start_s": start, "sequential": seq, "batched": batch, "stats": stats}
+    return {"start_s": start, "sequential": seq, "batched": batch, "stats": stats,
+            "logprobs": logprobs}
+
+
+def divergence(stock, ft):
+    """Per prompt: the first differing token, stock's top-1 minus top-2 logprob there (a
+    near-tie when small), and the largest |logprob difference| of the chosen tokens before it."""
+    out = []
+    for s, f, ls, lf in zip(stock["sequential"], ft["sequential"], stock["logprobs"], ft["logprobs"]):
+        j = next((i for i, (x, y) in enumerate(zip(s, f)) if x != y), None)
+        upto = len(s) if j is None else j
+        out.append({
+            "first_diff": j,
+            "stock_margin_at_diff": None if j is None else ls[j][1] - ls[j][2],
+            "max_abs_logprob_diff_before": max(
+                (abs(a[0] - b[0]) for a, b in zip(ls[:upto], lf[:upto])), default=0.0),
+        })
+    return out
 
 
 def main():
@@ -84,17 +116,15 @@ def main():
             ft_kwargs["freetoken_bandwidth"] = a.bandwidth
         ft = run(path, a.new_tokens, ft_kwargs)
         same = {k: stock[k] == ft[k] for k in ("sequential", "batched")}
-        first_diff = [
-            next((j for j, (x, y) in enumerate(zip(s, f)) if x != y), None)
-            for s, f in zip(stock["sequential"], ft["sequential"])
-        ]
+        div = divergence(stock, ft)
         result = {
             "family": a.family,
             "miss_policy": policy,
             "prompts": len(PROMPTS),
             "new_tokens": a.new_tokens,
             "identical": same,
-            "first_differing_token_per_prompt": first_diff,
+            "first_differing_token_per_prompt": [d["first_diff"] for d in div],
+            "divergence": div,
             "freetoken_stats": ft["stats"],
             "start_s": {"stock": stock["start_s"], "freetoken": ft["start_s"]},
         }

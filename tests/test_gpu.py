@@ -74,11 +74,28 @@ def test_uva_fill_from_pinned_pool():
 
 @pytest.fixture(scope="module")
 def published_server_args(tiny_checkpoint):
-    """SGLang's kernels read config bags that a server publishes at start."""
+    """SGLang's kernels read config bags that a server publishes at start, and its fused MoE
+    asks for the tensor-parallel group (a one-process group here, as a server makes)."""
+    import socket
+
+    from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
 
     publish(ServerArgs(model_path=tiny_checkpoint("qwen3_moe")), role="test")
+    if not torch.distributed.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ps.init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="nccl",
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+        )
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    yield
+    ps.destroy_model_parallel()
+    ps.destroy_distributed_environment()
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 64, 700])
