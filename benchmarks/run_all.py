@@ -15,10 +15,27 @@ Systems (``--systems``, comma-separated):
         --systems stock-gpu,stock-offload,ft-qstar,ft-fill,ft-cpu --out-dir results/
     python benchmarks/run_all.py --model-path TINY --cpu --scale 0.01 --decode-cap 4 \\
         --systems stock-gpu,ft-qstar --out-dir /tmp/smoke        # CPU smoke run
+    python benchmarks/run_all.py --shape qwen3-30b-a3b --systems ft-fill,ft-cpu \\
+        --append results/runs.json --out-dir results2/    # adds systems to an earlier run
+
+Per system: a server start, optionally a decode benchmark (``--decode-bench N``: random
+128-token prompts, N tokens at batch 1 and 4, ``bench_decode.measure_decode``), then the
+workloads (``serve_bench.run_system``), cut at ``--budget-s`` seconds (the table shows
+``run/planned (budget)``). ``runs.json`` (``{"runs": [...], "errors": [...]}``) and the
+report are rewritten after every system, so a run stopped part-way keeps the finished
+systems; a system that fails (its server does not start, ...) is listed with its error.
+``--append`` puts the runs of earlier ``runs.json`` files first.
+
+Ratios: each system's decode tok/s and mean / worst TTFT per workload (and decode-bench
+tok/s) over the best baseline's in the report; baselines are the systems whose label does
+not start with ``ft-`` (``stock-gpu``, ``stock-offload``), the best the highest tok/s or the
+lowest TTFT among them.
 
 Roofline (per FreeToken run and workload): the decode misses each token took (fills + CPU
 misses of decode-sized layer calls, from ``/freetoken/stats``), served at the better of PCIe
-fill and CPU execution balanced by q* (``S / max(B_P, B_H)`` per missed expert of S bytes),
+fill and CPU execution balanced by q* (``S / max(B_P, B_H)`` per missed expert of S bytes:
+fills and the CPU read the same host memory, so under paper §3.2 Eq. 2-4 the CPU gets only
+the residual ``B_H - B_P`` while fills run, and the q*-balanced layer takes ``m S / B_H``),
 plus the TPOT of an all-hit step; reported as achieved decode tok/s / the bound's tok/s.
 """
 
@@ -26,14 +43,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import bench_decode  # noqa: E402
 import serve_bench  # noqa: E402
 from servers import GpuMemorySampler, Server, write_shape  # noqa: E402
 
@@ -121,21 +140,179 @@ def roofline_markdown(rows: List[dict]) -> str:
     return "\n".join(out)
 
 
+# ---------------------------------------------------------------------------------------
+# Ratios against the best baseline
+# ---------------------------------------------------------------------------------------
+
+# Per workload: (summary key, column, higher is better).
+WORKLOAD_METRICS = (
+    ("mean_decode_tok_s", "decode tok/s ratio (best baseline)", True),
+    ("mean_ttft_s", "mean TTFT ratio", False),
+    ("worst_ttft_s", "worst TTFT ratio", False),
+)
+# Decode benchmark: (measure_decode key, column, higher is better).
+DECODE_METRICS = (
+    ("bs1_decode_tok_s", "bs1 ratio (best baseline)", True),
+    ("bs4_total_tok_s", "bs4 ratio (best baseline)", True),
+)
+UNEQUAL_NOTE = ("† the system and that baseline ran different numbers of this workload's "
+                "requests (budget truncation: see the requests column above), so the ratio "
+                "compares different request sets.")
+
+
+def is_baseline(label: str) -> bool:
+    """Baselines are the systems whose label does not start with ``ft-``."""
+    return not label.startswith("ft-")
+
+
+def _num(x) -> Optional[float]:
+    """A usable number: None for None, NaN and non-numbers."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return None if math.isnan(x) else float(x)
+
+
+def best_baseline(runs: Sequence[dict], value: Callable[[dict], object],
+                  higher: bool) -> Optional[Tuple[dict, float]]:
+    """(run, value) of the baseline with the highest (``higher``) or lowest value; None when
+    no baseline has a positive value. Ties go to the first."""
+    cands = [(r, v) for r in runs if is_baseline(r["label"])
+             for v in [_num(value(r))] if v is not None and v > 0]
+    if not cands:
+        return None
+    pick = max if higher else min
+    return pick(cands, key=lambda c: c[1])
+
+
+def _workload_names(runs: Sequence[dict]) -> List[str]:
+    names: List[str] = []
+    for r in runs:
+        names += [n for n in r.get("workloads", {}) if n not in names]
+    return names
+
+
+def _wsummary(run: dict, name: str) -> dict:
+    return ((run.get("workloads") or {}).get(name) or {}).get("summary") or {}
+
+
+def _ratio(v: Optional[float], best: Optional[Tuple[dict, float]]) -> dict:
+    return {"value": v,
+            "baseline": best[0]["label"] if best else None,
+            "baseline_value": best[1] if best else None,
+            "ratio": v / best[1] if best and v is not None else None}
+
+
+def ratios(runs: Sequence[dict]) -> List[dict]:
+    """Per system and workload: for each of ``WORKLOAD_METRICS`` a dict ``value``,
+    ``baseline`` (label of the best baseline for that workload and metric),
+    ``baseline_value``, ``ratio`` (value / baseline_value; None without a baseline value)
+    and ``unequal_requests`` (the two ran different numbers of requests)."""
+    best = {name: {k: best_baseline(runs, lambda r, k=k: _wsummary(r, name).get(k), hi)
+                   for k, _, hi in WORKLOAD_METRICS}
+            for name in _workload_names(runs)}
+    rows = []
+    for r in runs:  # in run order, as the serve_bench table
+        for name in r.get("workloads", {}):
+            s = _wsummary(r, name)
+            row = {"system": r["label"], "workload": name, "requests": s.get("requests"),
+                   "planned": s.get("planned"), "truncated": bool(s.get("truncated"))}
+            for k, _, _ in WORKLOAD_METRICS:
+                b = best[name][k]
+                c = _ratio(_num(s.get(k)), b)
+                c["unequal_requests"] = bool(
+                    b and _wsummary(b[0], name).get("requests") != s.get("requests"))
+                row[k] = c
+            rows.append(row)
+    return rows
+
+
+def _ratio_cell(c: dict) -> str:
+    if c["ratio"] is None:
+        return "-"
+    return f"{c['ratio']:.2f} ({c['baseline']})" + (" †" if c.get("unequal_requests") else "")
+
+
+def ratios_markdown(rows: List[dict]) -> str:
+    out = ["| system | workload | " + " | ".join(col for _, col, _ in WORKLOAD_METRICS) + " |",
+           "|---|---|" + "---:|" * len(WORKLOAD_METRICS)]
+    for r in rows:
+        out.append(f"| {r['system']} | {r['workload']} | "
+                   + " | ".join(_ratio_cell(r[k]) for k, _, _ in WORKLOAD_METRICS) + " |")
+    if any(r[k].get("unequal_requests") and r[k]["ratio"] is not None
+           for r in rows for k, _, _ in WORKLOAD_METRICS):
+        out += ["", UNEQUAL_NOTE]
+    return "\n".join(out)
+
+
+def decode_ratios(runs: Sequence[dict]) -> List[dict]:
+    """Per run with a decode benchmark: for each of ``DECODE_METRICS`` the ratio to the best
+    baseline's (as ``ratios``)."""
+    db = lambda r: r.get("decode_bench") or {}
+    best = {k: best_baseline(runs, lambda r, k=k: db(r).get(k), hi) for k, _, hi in DECODE_METRICS}
+    return [{"system": r["label"], **{k: _ratio(_num(db(r).get(k)), best[k])
+                                      for k, _, _ in DECODE_METRICS}}
+            for r in runs if r.get("decode_bench")]
+
+
+def decode_markdown(runs: Sequence[dict]) -> str:
+    """The decode-benchmark table (empty string when no run has one)."""
+    measured = [r for r in runs if r.get("decode_bench")]
+    if not measured:
+        return ""
+    ns = sorted({str(r["decode_bench"].get("new_tokens", "?")) for r in measured})
+    lens = sorted({str(r["decode_bench"].get("input_len", 128)) for r in measured})
+    ratio_rows = iter(decode_ratios(runs))  # one per measured run, in order
+    fmt = lambda v, nd=3: "-" if _num(v) is None else f"{v:.{nd}f}"
+    share = lambda w: w["cpu"] / w["reads"] if w.get("reads") else None
+    cols = ["bs1 tok/s", "bs4 total tok/s", "hit rate bs1", "hit rate bs4", "CPU share bs1",
+            "CPU share bs4"] + [col for _, col, _ in DECODE_METRICS]
+    out = [f"Decode (random {'/'.join(lens)}-token prompts, {'/'.join(ns)} tokens, batch 1 and 4):",
+           "", "| system | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for r in runs:
+        d = r.get("decode_bench")
+        if not d:
+            out.append(f"| {r['label']} | not measured |" + " - |" * (len(cols) - 1))
+            continue
+        rr = next(ratio_rows)
+        if d.get("error"):
+            out.append(f"| {r['label']} | failed: {_cell_text(d['error'], 120)} |"
+                       + " - |" * (len(cols) - 1))
+            continue
+        w1, w4 = d.get("bs1_decode_counts") or {}, d.get("bs4_decode_counts") or {}
+        out.append(
+            f"| {r['label']} | {fmt(d.get('bs1_decode_tok_s'), 2)} | {fmt(d.get('bs4_total_tok_s'), 2)} "
+            f"| {fmt(w1.get('hit_rate'))} | {fmt(w4.get('hit_rate'))} | {fmt(share(w1))} "
+            f"| {fmt(share(w4))} | "
+            + " | ".join(_ratio_cell(rr[k]) for k, _, _ in DECODE_METRICS) + " |")
+    return "\n".join(out)
+
+
+def _cell_text(text: str, n: int = 300) -> str:
+    """One markdown table cell: one line, no pipes, at most ``n`` characters."""
+    t = " ".join(str(text).split()).replace("|", "\\|")
+    return t if len(t) <= n else t[: n - 1] + "…"
+
+
+# ---------------------------------------------------------------------------------------
+# Outputs
+# ---------------------------------------------------------------------------------------
+
+
 def plot(runs: List[dict], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    workloads = list(runs[0]["workloads"])
+    workloads = _workload_names(runs)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     width = 0.8 / len(runs)
     for i, r in enumerate(runs):
         xs = [j + i * width for j in range(len(workloads))]
-        summ = [r["workloads"][w]["summary"] for w in workloads]
-        axes[0].bar(xs, [s["mean_decode_tok_s"] or 0 for s in summ], width, label=r["label"])
-        axes[1].bar(xs, [s["mean_ttft_s"] or 0 for s in summ], width, label=r["label"])
-        axes[2].bar(xs, [s["worst_ttft_s"] or 0 for s in summ], width, label=r["label"])
+        summ = [_wsummary(r, w) for w in workloads]
+        axes[0].bar(xs, [s.get("mean_decode_tok_s") or 0 for s in summ], width, label=r["label"])
+        axes[1].bar(xs, [s.get("mean_ttft_s") or 0 for s in summ], width, label=r["label"])
+        axes[2].bar(xs, [s.get("worst_ttft_s") or 0 for s in summ], width, label=r["label"])
     for ax, title in zip(axes, ("decode tok/s (mean)", "TTFT mean (s)", "TTFT worst (s)")):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))])
         ax.set_xticklabels(workloads)
@@ -162,12 +339,112 @@ def replay_traces(trace_dir: str, out_dir: str) -> Optional[str]:
     return out_dir
 
 
-def main(argv=None) -> None:
+def load_appended(paths: Sequence[str]) -> Tuple[List[dict], List[dict]]:
+    """Runs and failed systems of earlier ``runs.json`` files (a single run, or
+    ``{"runs": [...]}`` with an optional ``"errors": [...]``), in order."""
+    runs, errors = [], []
+    for p in paths:
+        runs.extend(serve_bench.load_runs([p]))
+        with open(p) as f:
+            d = json.load(f)
+        if isinstance(d, dict) and "runs" in d:
+            errors.extend(d.get("errors") or [])
+    return runs, errors
+
+
+def _fnum(x, nd: int) -> str:
+    return "-" if _num(x) is None else f"{x:.{nd}f}"
+
+
+def write_outputs(runs: List[dict], errors: List[dict], out_dir: str) -> str:
+    """Write ``runs.json`` (``{"runs": [...], "errors": [...]}``), ``runs.md``,
+    ``ratios.json``, ``roofline.json`` and ``report.md``; returns the report."""
+    with open(os.path.join(out_dir, "runs.json"), "w") as f:
+        json.dump({"runs": list(runs), "errors": list(errors)}, f, indent=1)
+    md = serve_bench.markdown(runs, per_request=False)
+    with open(os.path.join(out_dir, "runs.md"), "w") as f:
+        f.write(md)
+    ratio_rows = ratios(runs)
+    roof = roofline(runs)
+    systems_md = ["| system | start-up s | weights GB | peak GPU GiB load | peak GPU GiB serving |",
+                  "|---|---|---|---|---|"]
+    for r in runs:
+        s = r.get("system") or {}
+        systems_md.append(f"| {r['label']} | {_fnum(s.get('startup_s'), 1)} | "
+                          f"{_fnum(s.get('weights_gb'), 2)} | {_fnum(s.get('peak_gpu_gib_load'), 2)} | "
+                          f"{_fnum(s.get('peak_gpu_gib_serving'), 2)} |")
+    parts = []
+    if errors:
+        parts.append("Failed systems (no numbers):\n\n| system | error |\n|---|---|\n"
+                     + "\n".join(f"| {e.get('label')} | {_cell_text(e.get('error', ''))} |"
+                                 for e in errors))
+    parts += [md.rstrip("\n"),
+              "Ratios against the best baseline in this run:\n\n" + ratios_markdown(ratio_rows)]
+    dec = decode_markdown(runs)
+    if dec:
+        parts.append(dec)
+    parts += ["\n".join(systems_md), "Roofline:\n\n" + roofline_markdown(roof)]
+    report = "\n\n".join(parts)
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write(report + "\n")
+    with open(os.path.join(out_dir, "ratios.json"), "w") as f:
+        json.dump({"workloads": ratio_rows, "decode_bench": decode_ratios(runs)}, f, indent=1)
+    with open(os.path.join(out_dir, "roofline.json"), "w") as f:
+        json.dump(roof, f, indent=1)
+    return report
+
+
+# ---------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------
+
+
+def run_one(name: str, a, model: str, tokenizer_flags: List[str], pool_gib: float,
+            trace_dir: str, sampler) -> dict:
+    """Start one system's server, run the decode benchmark (``--decode-bench``) and the
+    workloads on it, stop it; returns its run."""
+    flags = (["--enable-cache-report", "--skip-server-warmup"] + tokenizer_flags
+             + a.common.split() + system_flags(name, a, pool_gib, trace_dir))
+    sampler.reset()
+    t0 = time.time()
+    with Server(model, flags, os.path.join(a.out_dir, f"{name}.log"), cpu=a.cpu,
+                timeout=a.start_timeout) as server:
+        load_peak = sampler.peak_gib()
+        sampler.reset()
+        decode = None
+        if a.decode_bench > 0:
+            t_d = time.time()
+            try:
+                decode = dict(bench_decode.measure_decode(server.url, 128, a.decode_bench, 2))
+            except Exception as e:  # noqa: BLE001 - recorded; the workloads still run
+                decode = {"error": f"{type(e).__name__}: {e}"}
+            decode.update(input_len=128, new_tokens=a.decode_bench, repeats=2,
+                          wall_s=time.time() - t_d)
+            print(f"{name}: decode bench {json.dumps(decode)}", flush=True)
+        run = serve_bench.run_system(
+            server.url, workloads=a.workloads.split(","), scale=a.scale, label=name,
+            decode_cap=a.decode_cap, budget_s=a.budget_s,
+        )
+        if decode is not None:
+            run["decode_bench"] = decode
+        run["system"] = {
+            "flags": flags,
+            "startup_s": server.startup_s,
+            "peak_gpu_gib_load": load_peak,
+            "peak_gpu_gib_serving": sampler.peak_gib(),
+            "weights_gb": server.weights_gb(),
+            "wall_s": time.time() - t0,
+        }
+    return run
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--shape", help="a full-size shape served with dummy weights (servers.SHAPES)")
     src.add_argument("--model-path")
-    ap.add_argument("--systems", default="stock-gpu,stock-offload,ft-qstar,ft-fill,ft-cpu")
+    ap.add_argument("--systems", default="stock-gpu,stock-offload,ft-qstar,ft-fill,ft-cpu",
+                    help="comma-separated (given twice, the last counts)")
     ap.add_argument("--cache-ratio", type=float, default=0.25)
     ap.add_argument("--workloads", default="W1,W2,W4")
     ap.add_argument("--scale", type=float, default=1.0)
@@ -177,10 +454,29 @@ def main(argv=None) -> None:
     ap.add_argument("--cpu", action="store_true", help="serve on the CPU (smoke runs)")
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--start-timeout", type=float, default=900)
-    a = ap.parse_args(argv)
+    ap.add_argument("--no-replay", action="store_true",
+                    help="skip the replay of the recorded traces (run replay.py on them later)")
+    ap.add_argument("--decode-bench", type=int, default=0, metavar="N",
+                    help="per system, before the workloads: decode tok/s of N tokens at batch "
+                         "1 and 4 on random 128-token prompts (0: off)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="per system: wall-clock budget of its workloads, s; no request starts "
+                         "after it (the table shows the cut)")
+    ap.add_argument("--append", action="append", default=[], metavar="RUNS_JSON",
+                    help="runs.json of an earlier run_all: its runs (and failed systems) come "
+                         "first in this report (repeatable)")
+    return ap
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     os.makedirs(a.out_dir, exist_ok=True)
     trace_dir = os.path.join(a.out_dir, "traces")
     os.makedirs(trace_dir, exist_ok=True)
+    runs, errors = load_appended(a.append)
+    if a.append:
+        print(f"appended {len(runs)} runs ({', '.join(r['label'] for r in runs)}) and "
+              f"{len(errors)} failed systems from {', '.join(a.append)}", flush=True)
     if a.shape:
         model = write_shape(a.shape, a.out_dir)
         tokenizer_flags = ["--load-format", "dummy"]
@@ -197,52 +493,31 @@ def main(argv=None) -> None:
         model, tokenizer_flags = a.model_path, []
     pool_gib = expert_pool_gib(model)
     sampler = GpuMemorySampler()
-    runs = []
     try:
-        for name in a.systems.split(","):
-            flags = (["--enable-cache-report", "--skip-server-warmup"] + tokenizer_flags
-                     + a.common.split() + system_flags(name, a, pool_gib, trace_dir))
-            sampler.reset()
+        for name in [n.strip() for n in a.systems.split(",") if n.strip()]:
             t0 = time.time()
-            with Server(model, flags, os.path.join(a.out_dir, f"{name}.log"), cpu=a.cpu,
-                        timeout=a.start_timeout) as server:
-                load_peak = sampler.peak_gib()
-                sampler.reset()
-                run = serve_bench.run_system(
-                    server.url, workloads=a.workloads.split(","), scale=a.scale, label=name,
-                    decode_cap=a.decode_cap,
-                )
-                run["system"] = {
-                    "flags": flags,
-                    "startup_s": server.startup_s,
-                    "peak_gpu_gib_load": load_peak,
-                    "peak_gpu_gib_serving": sampler.peak_gib(),
-                    "weights_gb": server.weights_gb(),
-                    "wall_s": time.time() - t0,
-                }
-            runs.append(run)
-            print(f"{name}: done in {time.time() - t0:.0f} s", flush=True)
+            try:
+                run = run_one(name, a, model, tokenizer_flags, pool_gib, trace_dir, sampler)
+            except Exception as e:  # noqa: BLE001 - one failing system must not lose the others
+                errors.append({"label": name, "error": f"{type(e).__name__}: {e}"})
+                print(f"{name}: FAILED after {time.time() - t0:.0f} s: {type(e).__name__}: {e}",
+                      flush=True)
+            else:
+                runs.append(run)
+                s = run["summary"]
+                cut = f", cut at {s['requests']}/{s['planned']} requests" if s.get("truncated") else ""
+                print(f"{name}: done in {time.time() - t0:.0f} s{cut}", flush=True)
+            write_outputs(runs, errors, a.out_dir)  # a run stopped later keeps these systems
     finally:
         sampler.close()
-    md = serve_bench.write_report(runs, os.path.join(a.out_dir, "runs.json"),
-                                  os.path.join(a.out_dir, "runs.md"), per_request=False)
-    roof = roofline(runs)
-    roof_md = roofline_markdown(roof)
-    systems_md = ["| system | start-up s | weights GB | peak GPU GiB load | peak GPU GiB serving |",
-                  "|---|---|---|---|---|"]
-    for r in runs:
-        s = r["system"]
-        systems_md.append(f"| {r['label']} | {s['startup_s']:.1f} | {s['weights_gb']} | "
-                          f"{s['peak_gpu_gib_load']:.2f} | {s['peak_gpu_gib_serving']:.2f} |")
-    report = "\n\n".join([md, "\n".join(systems_md), "Roofline:\n\n" + roof_md])
-    with open(os.path.join(a.out_dir, "report.md"), "w") as f:
-        f.write(report + "\n")
-    with open(os.path.join(a.out_dir, "roofline.json"), "w") as f:
-        json.dump(roof, f, indent=1)
-    plot(runs, os.path.join(a.out_dir, "serving.png"))
-    replay_traces(trace_dir, os.path.join(a.out_dir, "replay"))
+    report = write_outputs(runs, errors, a.out_dir)
+    if runs:
+        plot(runs, os.path.join(a.out_dir, "serving.png"))
+    if not a.no_replay:
+        replay_traces(trace_dir, os.path.join(a.out_dir, "replay"))
     print(report)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

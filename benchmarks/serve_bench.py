@@ -27,6 +27,11 @@ Per workload and per run: mean and worst TTFT, mean decode tok/s (the mean of pe
 rates, as in the paper's §5.1), token totals, and the difference of ``GET /freetoken/stats``
 counters over it (absent on a stock server: 404).
 
+With ``--budget-s`` (``run_system(budget_s=...)``) no request starts once the run has lasted
+that long: the rest of that workload and the later workloads are not run. Every summary
+then holds ``planned`` (the requests scripted) and ``truncated``, and the table's requests
+cell reads e.g. ``5/17 (budget)``.
+
 A driver that starts and stops servers calls ``run_system`` once per system and
 ``write_report`` at the end (or this script once per system, then ``--merge``).
 """
@@ -220,13 +225,17 @@ def _client(base_url: str, timeout: float):
 
 
 def run_session(client, model: str, requests_: Sequence[wl.Request], tokenizer=None,
-                cache_report: Optional[bool] = True, label: str = "") -> List[dict]:
+                cache_report: Optional[bool] = True, label: str = "",
+                deadline: Optional[float] = None) -> List[dict]:
     """Run a session's requests in order; one record per request. With ``tokenizer``, each
     record also holds ``local_prompt_tokens`` (the prompt rendered here) and
     ``shared_prefix_tokens`` (tokens shared with the previous request's prompt: what an
-    exact prefix cache could reuse)."""
+    exact prefix cache could reuse). With ``deadline`` (a ``time.perf_counter()`` value) no
+    request starts after it: fewer records than requests then."""
     records, prev_ids = [], None
     for r in requests_:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         rec = {"system": label, "workload": r.workload, "index": r.index,
                "user_turn": r.user_turn, "step": r.step, "kind": r.kind,
                "edits": list(r.edits), "max_tokens": r.max_tokens,
@@ -291,6 +300,7 @@ def run_system(
     tokenizer=None,
     flush: bool = True,
     timeout: float = 1800.0,
+    budget_s: Optional[float] = None,
 ) -> dict:
     """Run ``workloads`` (in order, each a sequential session) against the server at
     ``base_url`` and return the run: ``label``, ``server``, per workload its ``summary``,
@@ -306,6 +316,10 @@ def run_system(
         flush: empty SGLang's prefix cache before each workload (sessions then start cold
             whatever ran before).
         timeout: per request, s.
+        budget_s: wall-clock budget (s) of the whole run: once it has run longer, no request
+            starts, in this workload or the later ones. Each workload's summary and the run's
+            hold ``planned`` (requests scripted) and ``truncated`` (fewer were run); a
+            workload never started has 0 requests.
     """
     if isinstance(tokenizer, str):
         from transformers import AutoTokenizer
@@ -316,22 +330,26 @@ def run_system(
     cache_report = info.get("enable_cache_report")
     client = _client(base_url, timeout)
     run = {"label": label, "base_url": base_url, "model": model, "scale": scale, "seed": seed,
-           "decode_cap": decode_cap, "server": info, "started": time.time(), "workloads": {},
-           "requests": []}
+           "decode_cap": decode_cap, "budget_s": budget_s, "server": info,
+           "started": time.time(), "workloads": {}, "requests": []}
     ft_start = freetoken_stats(base_url)
     t_run = time.perf_counter()
+    deadline = t_run + budget_s if budget_s is not None else None
     for name in workloads:
         w = wl.build(name, scale=scale, seed=seed)
         reqs = w.requests((edits or {}).get(name), decode_cap=decode_cap)
-        if flush:
+        expired = deadline is not None and time.perf_counter() > deadline
+        if flush and not expired:
             flush_cache(base_url)
         before = freetoken_stats(base_url)
         t0 = time.perf_counter()
-        recs = run_session(client, model, reqs, tokenizer, cache_report, label)
+        recs = run_session(client, model, reqs, tokenizer, cache_report, label, deadline)
         wall = time.perf_counter() - t0
         after = freetoken_stats(base_url)
         summ = summarize(recs)
         summ["wall_s"] = wall
+        summ["planned"] = len(reqs)
+        summ["truncated"] = len(recs) < len(reqs)
         run["workloads"][name] = {
             "title": w.title,
             "edits": list(reqs[0].edits) if reqs else [],
@@ -342,6 +360,9 @@ def run_system(
     ft_end = freetoken_stats(base_url)
     run["summary"] = summarize(run["requests"])
     run["summary"]["wall_s"] = time.perf_counter() - t_run
+    ws = [w["summary"] for w in run["workloads"].values()]
+    run["summary"]["planned"] = sum(s["planned"] for s in ws)
+    run["summary"]["truncated"] = any(s["truncated"] for s in ws)
     run["freetoken"] = (None if ft_start is None and ft_end is None else
                         {"before": ft_start, "after": ft_end, "delta": stats_delta(ft_start, ft_end)})
     return run
@@ -360,9 +381,20 @@ def _f(x, nd=2):
     return str(x)
 
 
+def _requests_cell(s: dict) -> str:
+    """``17``, or ``5/17 (budget)`` when the budget cut the run short; failures appended."""
+    out = str(s["requests"])
+    if s.get("truncated"):
+        out += f"/{s.get('planned', '?')} (budget)"
+    if s.get("errors"):
+        out += f" ({s['errors']} failed)"
+    return out
+
+
 def markdown(runs: Sequence[dict], per_request: bool = True) -> str:
     """Markdown tables: one row per system and workload (plus the run), then, with
-    ``per_request``, one row per request (where the re-prefilled tokens show)."""
+    ``per_request``, one row per request (where the re-prefilled tokens show). A workload
+    cut short by the budget shows ``run/planned (budget)`` in its requests cell."""
     lines = [
         "| system | workload | edits | requests | mean TTFT (s) | worst TTFT (s) | decode tok/s "
         "| TPOT (ms) | prompt tok | cached tok | prefilled tok | FT reads | FT hit rate |",
@@ -376,7 +408,7 @@ def markdown(runs: Sequence[dict], per_request: bool = True) -> str:
             t = (ftd or {}).get("total") or {}
             lines.append(
                 f"| {run['label'] or run['base_url']} | {name} | {'+'.join(eds) or '–'} "
-                f"| {s['requests']}{' (' + str(s['errors']) + ' failed)' if s['errors'] else ''} "
+                f"| {_requests_cell(s)} "
                 f"| {_f(s['mean_ttft_s'], 3)} | {_f(s['worst_ttft_s'], 3)} "
                 f"| {_f(s['mean_decode_tok_s'], 1)} | {_f(s['mean_tpot_ms'], 1)} "
                 f"| {_f(s['prompt_tokens'])} | {_f(s['cached_tokens'])} | {_f(s['prefill_tokens'])} "
@@ -446,6 +478,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", default=None, help="tokenizer path: also render prompts locally")
     p.add_argument("--no-flush", action="store_true", help="keep the prefix cache between workloads")
     p.add_argument("--timeout", type=float, default=1800.0, help="per request, s")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall-clock budget of the whole run, s: no request starts after it "
+                        "(the table shows the cut, e.g. 5/17 (budget))")
     p.add_argument("--out-json", default=None)
     p.add_argument("--out-md", default=None)
     p.add_argument("--no-per-request", action="store_true", help="markdown: summary table only")
@@ -461,7 +496,7 @@ def main(argv=None) -> int:
                 raise SystemExit(f"unknown workload {n!r}; choose from {', '.join(wl.WORKLOADS)}")
         runs = [run_system(a.base_url, a.model, names, a.scale, a.label,
                            _parse_edit_args(a.edit), a.decode_cap, a.seed, a.tokenizer,
-                           not a.no_flush, a.timeout)]
+                           not a.no_flush, a.timeout, a.budget_s)]
     md = write_report(runs, a.out_json, a.out_md, not a.no_per_request)
     sys.stdout.write(md)
     return 1 if any(r["summary"]["errors"] for r in runs) else 0

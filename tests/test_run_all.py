@@ -1,16 +1,25 @@
 """A CPU smoke run of ``benchmarks/run_all.py``: two systems (stock and FreeToken q*) serve
-the same scaled-down workload in turn; the combined report, roofline rows, serving plot,
-routing trace and replay plot are all written."""
+the same scaled-down workload in turn; the combined report, ratios, roofline rows, serving
+plot, routing trace and replay plot are all written. Without a server: the ratios against
+the best baseline, the request budget of ``serve_bench`` and ``run_all``'s driver (``--append``,
+a failing system, the decode benchmark, the flags of ``run_all.sh``)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+BENCH = os.path.join(ROOT, "benchmarks")
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
+
+import run_all  # noqa: E402
+import serve_bench  # noqa: E402  (the module run_all uses)
 
 
 def test_run_all_cpu_smoke(tiny_checkpoint, tmp_path):
@@ -21,7 +30,8 @@ def test_run_all_cpu_smoke(tiny_checkpoint, tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "run_all.py"), "--model-path", path,
          "--cpu", "--systems", "stock-gpu,ft-qstar", "--workloads", "W1,W2", "--scale", "0.01",
-         "--decode-cap", "3", "--bandwidth", "20,40", "--out-dir", str(out)],
+         "--decode-cap", "3", "--bandwidth", "20,40", "--budget-s", "3000",
+         "--out-dir", str(out)],
         env=cpu_env(), capture_output=True, text=True, timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -33,10 +43,329 @@ def test_run_all_cpu_smoke(tiny_checkpoint, tmp_path):
     for r in runs:
         assert r["summary"]["errors"] == 0
         assert r["summary"]["mean_decode_tok_s"] > 0
+        assert r["budget_s"] == 3000 and r["summary"]["truncated"] is False
+        assert r["summary"]["planned"] == r["summary"]["requests"] == 1 + 17
     roof = json.loads((out / "roofline.json").read_text())
     assert {row["workload"] for row in roof} == {"W1", "W2"}
     assert all(0 < row["achieved_over_bound"] for row in roof)
     assert (out / "serving.png").stat().st_size > 0
     assert (out / "traces" / "ft-qstar.npz").exists()
     assert any(f.endswith(".png") for f in os.listdir(out / "replay"))
-    assert "Roofline" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "Roofline" in report
+    assert "Failed systems" not in report
+    assert report.index("| ft-qstar | all |") < report.index(
+        "Ratios against the best baseline in this run") < report.index("Roofline")
+    assert "| stock-gpu | W2 | 1.00 (stock-gpu) | 1.00 (stock-gpu) | 1.00 (stock-gpu) |" in report
+    ratios = json.loads((out / "ratios.json").read_text())["workloads"]
+    assert {(r["system"], r["workload"]) for r in ratios} == {
+        (s, w) for s in ("stock-gpu", "ft-qstar") for w in ("W1", "W2")}
+    for r in ratios:
+        assert r["mean_decode_tok_s"]["baseline"] == "stock-gpu"
+        assert r["mean_decode_tok_s"]["ratio"] > 0
+
+
+# ---------------------------------------------------------------------------------------
+# Without a server
+# ---------------------------------------------------------------------------------------
+
+
+def _summary(requests=5, planned=None, decode=None, mean_ttft=None, worst_ttft=None):
+    planned = requests if planned is None else planned
+    return {"requests": requests, "planned": planned, "truncated": requests < planned,
+            "errors": 0, "mean_ttft_s": mean_ttft, "worst_ttft_s": worst_ttft,
+            "mean_decode_tok_s": decode, "mean_tpot_ms": 1e3 / decode if decode else None,
+            "prompt_tokens": 100, "cached_tokens": 50, "prefill_tokens": 50,
+            "completion_tokens": 10 * requests, "cached_fraction": 0.5}
+
+
+def _run(label, workloads, decode_bench=None):
+    """A hand-made run: ``workloads`` maps a name to ``_summary`` kwargs."""
+    ws = {n: {"title": n, "edits": [], "summary": _summary(**kw), "freetoken": None}
+          for n, kw in workloads.items()}
+    run = {"label": label, "base_url": "http://x", "workloads": ws, "requests": [],
+           "summary": _summary(requests=sum(w["summary"]["requests"] for w in ws.values()),
+                               planned=sum(w["summary"]["planned"] for w in ws.values())),
+           "freetoken": None}
+    if decode_bench is not None:
+        run["decode_bench"] = decode_bench
+    return run
+
+
+def _hand_made_runs():
+    return [
+        _run("stock-gpu", {"W1": dict(decode=20.0, mean_ttft=0.5, worst_ttft=4.0),
+                           "W2": dict(decode=10.0, mean_ttft=2.0, worst_ttft=8.0)},
+             {"bs1_decode_tok_s": 50.0, "bs4_total_tok_s": 100.0, "new_tokens": 64, "input_len": 128}),
+        # slower decode but a lower mean TTFT on W1; no W2 numbers
+        _run("stock-offload", {"W1": dict(decode=5.0, mean_ttft=0.25, worst_ttft=5.0),
+                               "W2": dict(requests=0, planned=17)},
+             {"bs1_decode_tok_s": 10.0, "bs4_total_tok_s": 200.0, "new_tokens": 64, "input_len": 128}),
+        _run("ft-qstar", {"W1": dict(decode=15.0, mean_ttft=1.0, worst_ttft=2.0),
+                          "W2": dict(requests=3, planned=17, decode=12.0, mean_ttft=1.0, worst_ttft=1.0)},
+             {"bs1_decode_tok_s": 25.0, "bs4_total_tok_s": float("nan"), "new_tokens": 64,
+              "input_len": 128, "bs1_decode_counts": {"reads": 10, "hits": 8, "fills": 1,
+                                                      "evictions": 1, "cpu": 1, "hit_rate": 0.8},
+              "bs4_decode_counts": {"reads": 20, "hits": 10, "fills": 5, "evictions": 5,
+                                    "cpu": 5, "hit_rate": 0.5}}),
+    ]
+
+
+def test_ratios_against_best_baseline():
+    runs = _hand_made_runs()
+    rows = {(r["system"], r["workload"]): r for r in run_all.ratios(runs)}
+    assert len(rows) == 6
+    ft1, ft2 = rows["ft-qstar", "W1"], rows["ft-qstar", "W2"]
+    # W1: best decode stock-gpu (20), best mean TTFT stock-offload (0.25), best worst TTFT stock-gpu (4)
+    assert (ft1["mean_decode_tok_s"]["baseline"], ft1["mean_decode_tok_s"]["ratio"]) == ("stock-gpu", 0.75)
+    assert (ft1["mean_ttft_s"]["baseline"], ft1["mean_ttft_s"]["ratio"]) == ("stock-offload", 4.0)
+    assert (ft1["worst_ttft_s"]["baseline"], ft1["worst_ttft_s"]["ratio"]) == ("stock-gpu", 0.5)
+    off1 = rows["stock-offload", "W1"]
+    assert off1["mean_decode_tok_s"]["ratio"] == 0.25 and off1["mean_ttft_s"]["ratio"] == 1.0
+    # W2: stock-offload has no numbers, so stock-gpu is the best for all three
+    assert {ft2[k]["baseline"] for k in ("mean_decode_tok_s", "mean_ttft_s", "worst_ttft_s")} == {"stock-gpu"}
+    assert (ft2["mean_decode_tok_s"]["ratio"], ft2["mean_ttft_s"]["ratio"], ft2["worst_ttft_s"]["ratio"]) == (1.2, 0.5, 0.125)
+    assert ft2["mean_ttft_s"]["unequal_requests"] and not ft1["mean_ttft_s"]["unequal_requests"]
+    assert rows["stock-offload", "W2"]["mean_decode_tok_s"]["ratio"] is None
+    md = run_all.ratios_markdown(list(rows.values()))
+    assert "| ft-qstar | W1 | 0.75 (stock-gpu) | 4.00 (stock-offload) | 0.50 (stock-gpu) |" in md
+    assert "| ft-qstar | W2 | 1.20 (stock-gpu) † | 0.50 (stock-gpu) † | 0.12 (stock-gpu) † |" in md
+    assert "| stock-offload | W2 | - | - | - |" in md
+    assert run_all.UNEQUAL_NOTE in md
+    # no baseline at all: every cell is "-"
+    only_ft = run_all.ratios([runs[2]])
+    assert all(r[k]["ratio"] is None and r[k]["baseline"] is None for r in only_ft
+               for k in ("mean_decode_tok_s", "mean_ttft_s", "worst_ttft_s"))
+
+
+def test_decode_bench_table_and_ratios():
+    runs = _hand_made_runs()
+    runs.append(_run("ft-cpu", {"W1": dict(decode=1.0, mean_ttft=1.0, worst_ttft=1.0)},
+                     {"error": "HTTPError: 400", "new_tokens": 64, "input_len": 128}))
+    runs.append(_run("ft-fill", {"W1": dict(decode=1.0, mean_ttft=1.0, worst_ttft=1.0)}))
+    rows = {r["system"]: r for r in run_all.decode_ratios(runs)}
+    assert set(rows) == {"stock-gpu", "stock-offload", "ft-qstar", "ft-cpu"}
+    ft = rows["ft-qstar"]
+    assert (ft["bs1_decode_tok_s"]["baseline"], ft["bs1_decode_tok_s"]["ratio"]) == ("stock-gpu", 0.5)
+    assert ft["bs4_total_tok_s"]["baseline"] == "stock-offload" and ft["bs4_total_tok_s"]["ratio"] is None
+    assert rows["stock-gpu"]["bs4_total_tok_s"]["ratio"] == 0.5
+    md = run_all.decode_markdown(runs)
+    assert md.startswith("Decode (random 128-token prompts, 64 tokens, batch 1 and 4):")
+    assert ("| system | bs1 tok/s | bs4 total tok/s | hit rate bs1 | hit rate bs4 | CPU share bs1 "
+            "| CPU share bs4 | bs1 ratio (best baseline) | bs4 ratio (best baseline) |") in md
+    assert "| ft-qstar | 25.00 | - | 0.800 | 0.500 | 0.100 | 0.250 | 0.50 (stock-gpu) | - |" in md
+    assert "| stock-gpu | 50.00 | 100.00 | - | - | - | - | 1.00 (stock-gpu) | 0.50 (stock-offload) |" in md
+    assert "| ft-cpu | failed: HTTPError: 400 |" in md
+    assert "| ft-fill | not measured |" in md
+    assert run_all.decode_markdown([_run("x", {})]) == ""
+
+
+class _FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def perf_counter(self):
+        return self.t
+
+    def time(self):
+        return self.t
+
+
+def _fake_stream_chat(clock, calls):
+    def stream_chat(client, body):
+        calls.append(body)
+        clock.t += 1.0  # each request takes 1 s
+        return {"ttft_s": 0.1, "ttft_text_s": 0.1, "decode_s": 0.5, "decode_tok_s": 4.0,
+                "tpot_ms": 250.0, "e2e_s": 1.0, "prompt_tokens": 10, "cached_tokens": 0,
+                "completion_tokens": 3, "output_chunks": 3, "finish_reason": "length",
+                "error": None}
+    return stream_chat
+
+
+def test_run_session_deadline_passed_issues_no_request(monkeypatch):
+    calls = []
+    monkeypatch.setattr(serve_bench, "stream_chat", lambda c, b: calls.append(b) or {})
+    reqs = serve_bench.wl.build("W2", scale=0.01).requests()
+    import time
+    recs = serve_bench.run_session(None, "m", reqs, deadline=time.perf_counter() - 1.0)
+    assert recs == [] and calls == []
+
+
+def test_run_system_budget_truncates_and_marks(monkeypatch):
+    clock, calls = _FakeClock(), []
+    monkeypatch.setattr(serve_bench, "time", clock)
+    monkeypatch.setattr(serve_bench, "stream_chat", _fake_stream_chat(clock, calls))
+    monkeypatch.setattr(serve_bench, "server_info", lambda url: {"enable_cache_report": True})
+    monkeypatch.setattr(serve_bench, "freetoken_stats", lambda url: None)
+    monkeypatch.setattr(serve_bench, "flush_cache", lambda url: True)
+    monkeypatch.setattr(serve_bench, "_client", lambda url, timeout: None)
+    # requests start at t = 0, 1, ..., 5 s (within 5.5 s); W1 has 1, W2 17, W4 20
+    run = serve_bench.run_system("http://x", "m", ["W1", "W2", "W4"], scale=0.01, label="sys",
+                                 budget_s=5.5)
+    assert len(calls) == 6
+    w = {n: run["workloads"][n]["summary"] for n in ("W1", "W2", "W4")}
+    assert (w["W1"]["requests"], w["W1"]["planned"], w["W1"]["truncated"]) == (1, 1, False)
+    assert (w["W2"]["requests"], w["W2"]["planned"], w["W2"]["truncated"]) == (5, 17, True)
+    assert (w["W4"]["requests"], w["W4"]["planned"], w["W4"]["truncated"]) == (0, 20, True)
+    assert (run["summary"]["requests"], run["summary"]["planned"], run["summary"]["truncated"]) == (6, 38, True)
+    assert run["budget_s"] == 5.5
+    md = serve_bench.markdown([run], per_request=False)
+    assert "| sys | W1 | – | 1 |" in md
+    assert "| sys | W2 | placeholder | 5/17 (budget) |" in md
+    assert "| sys | W4 | drop_thinking | 0/20 (budget) |" in md
+    assert "| sys | all | – | 6/38 (budget) |" in md
+    # no budget: everything runs, nothing marked
+    calls.clear()
+    run = serve_bench.run_system("http://x", "m", ["W1", "W2"], scale=0.01, label="sys")
+    assert len(calls) == 18 and run["summary"]["truncated"] is False
+    assert "(budget)" not in serve_bench.markdown([run], per_request=False)
+
+
+class _FakeServer:
+    """Stands in for ``servers.Server``: fails to start for labels in ``fail``."""
+
+    fail = ()
+
+    def __init__(self, model, flags, log_path, cpu=False, timeout=0):
+        name = os.path.basename(log_path)[:-4]
+        if name in self.fail:
+            raise RuntimeError(f"server exited (1):\nlog of {name} | tail")
+        self.url, self.startup_s = f"http://{name}", 1.5
+
+    def weights_gb(self):
+        return 2.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+class _FakeSampler:
+    def reset(self):
+        pass
+
+    def peak_gib(self):
+        return 0.0
+
+    def close(self):
+        pass
+
+
+def _patch_driver(monkeypatch, fail=()):
+    """run_all.main without servers: each system's run is hand-made, its W1 decode tok/s
+    (and bs1 decode tok/s) the value in ``speeds``."""
+    speeds = {"stock-gpu": 20.0, "stock-offload": 8.0, "ft-qstar": 10.0, "ft-fill": 5.0,
+              "ft-cpu": 4.0}
+    seen = {"budget": [], "decode": []}
+    monkeypatch.setattr(run_all, "Server", type("S", (_FakeServer,), {"fail": fail}))
+    monkeypatch.setattr(run_all, "GpuMemorySampler", _FakeSampler)
+    monkeypatch.setattr(run_all, "expert_pool_gib", lambda model: 1.0)
+
+    def run_system(url, workloads, scale, label, decode_cap, budget_s):
+        seen["budget"].append(budget_s)
+        return _run(label, {w: dict(decode=speeds[label], mean_ttft=1.0, worst_ttft=2.0)
+                            for w in workloads})
+
+    def measure_decode(url, input_len, new_tokens, repeats, seed=0):
+        seen["decode"].append((url, input_len, new_tokens, repeats))
+        label = url.split("//")[1]
+        return {"bs1_decode_tok_s": speeds[label], "bs4_total_tok_s": 2 * speeds[label]}
+
+    monkeypatch.setattr(run_all.serve_bench, "run_system", run_system)
+    monkeypatch.setattr(run_all.bench_decode, "measure_decode", measure_decode)
+    return seen
+
+
+def test_run_all_append_failure_and_decode_bench(monkeypatch, tmp_path, capsys):
+    seen = _patch_driver(monkeypatch, fail=("stock-offload",))
+    out1 = tmp_path / "out1"
+    rc = run_all.main(["--model-path", "unused", "--systems", "stock-gpu,stock-offload,ft-qstar",
+                       "--workloads", "W1", "--decode-bench", "64", "--budget-s", "60",
+                       "--out-dir", str(out1)])
+    assert rc == 1  # a system failed
+    assert seen["budget"] == [60.0, 60.0]
+    assert seen["decode"] == [("http://stock-gpu", 128, 64, 2), ("http://ft-qstar", 128, 64, 2)]
+    doc = json.loads((out1 / "runs.json").read_text())
+    assert [r["label"] for r in doc["runs"]] == ["stock-gpu", "ft-qstar"]
+    assert doc["errors"][0]["label"] == "stock-offload" and "server exited" in doc["errors"][0]["error"]
+    assert doc["runs"][1]["decode_bench"]["new_tokens"] == 64
+    report = (out1 / "report.md").read_text()
+    assert "| stock-offload | RuntimeError: server exited (1): log of stock-offload \\| tail |" in report
+    assert "| ft-qstar | W1 | 0.50 (stock-gpu) | 1.00 (stock-gpu) | 1.00 (stock-gpu) |" in report
+    assert "Decode (random 128-token prompts, 64 tokens, batch 1 and 4):" in report
+    assert "| ft-qstar | 10.00 | 20.00 | - | - | - | - | 0.50 (stock-gpu) | 0.50 (stock-gpu) |" in report
+
+    # second call: two more systems, the first call's runs and failure come first
+    out2 = tmp_path / "out2"
+    rc = run_all.main(["--model-path", "unused", "--systems", "stock-gpu,stock-offload,ft-qstar",
+                       "--systems", "stock-offload,ft-fill", "--workloads", "W1",
+                       "--append", str(out1 / "runs.json"), "--out-dir", str(out2)])
+    assert rc == 1  # stock-offload fails again
+    doc = json.loads((out2 / "runs.json").read_text())
+    assert [r["label"] for r in doc["runs"]] == ["stock-gpu", "ft-qstar", "ft-fill"]
+    assert [e["label"] for e in doc["errors"]] == ["stock-offload", "stock-offload"]
+    report = (out2 / "report.md").read_text()
+    assert "| ft-fill | W1 | 0.25 (stock-gpu) |" in report
+    assert "| ft-qstar | W1 | 0.50 (stock-gpu) |" in report
+    assert "| ft-fill | not measured |" in report  # no --decode-bench in the second call
+    assert (out2 / "serving.png").stat().st_size > 0
+
+    # appending a single-run file (serve_bench's format for one run) and a runs.json
+    single = tmp_path / "single.json"
+    single.write_text(json.dumps(_run("stock-gpu", {"W1": dict(decode=40.0, mean_ttft=0.5, worst_ttft=1.0)})))
+    runs, errors = run_all.load_appended([str(single), str(out1 / "runs.json")])
+    assert [r["label"] for r in runs] == ["stock-gpu", "stock-gpu", "ft-qstar"]
+    assert [e["label"] for e in errors] == ["stock-offload"]
+    rows = {(r["system"], r["workload"]): r for r in run_all.ratios(runs)}
+    assert rows["ft-qstar", "W1"]["mean_decode_tok_s"]["ratio"] == 0.25  # against the 40 tok/s run
+
+
+def test_runs_json_written_after_each_system(monkeypatch, tmp_path):
+    _patch_driver(monkeypatch)
+    out = tmp_path / "out"
+    written = []
+    real = run_all.write_outputs
+
+    def spy(runs, errors, out_dir):
+        written.append([r["label"] for r in json.loads(
+            open(os.path.join(out_dir, "runs.json")).read())["runs"]] if os.path.exists(
+            os.path.join(out_dir, "runs.json")) else None)
+        return real(runs, errors, out_dir)
+
+    monkeypatch.setattr(run_all, "write_outputs", spy)
+    assert run_all.main(["--model-path", "unused", "--systems", "stock-gpu,ft-qstar",
+                         "--workloads", "W1,W2", "--out-dir", str(out)]) == 0
+    # before each write: nothing, then the first system's run, then both
+    assert written == [None, ["stock-gpu"], ["stock-gpu", "ft-qstar"]]
+    assert "Failed systems" not in (out / "report.md").read_text()
+
+
+def test_run_all_sh_flags_and_override():
+    """run_all.sh's defaults, and a later --systems in its extra flags wins."""
+    text = open(os.path.join(BENCH, "run_all.sh")).read().replace("\\\n", " ")
+    line = next(l for l in text.splitlines() if l.startswith("exec python3"))
+    args = shlex.split(line.split('run_all.py"', 1)[1])
+    assert args[-3:] == ["--out-dir", "$out", "$@"]
+    base = args[:-1]
+    a = run_all.parser().parse_args(base)
+    assert a.systems == "stock-gpu,stock-offload,ft-qstar"
+    assert (a.decode_bench, a.budget_s, a.scale, a.decode_cap) == (64, 60.0, 0.1, 64)
+    a = run_all.parser().parse_args(base + ["--systems", "ft-fill,ft-cpu", "--append", "OUT/runs.json"])
+    assert a.systems == "ft-fill,ft-cpu" and a.append == ["OUT/runs.json"]
+
+
+def test_roofline_uses_the_better_bandwidth():
+    """Under q* (paper Eq. 2-4: the CPU gets the residual B_H - B_P while fills run), a layer's
+    m misses take m S / max(B_P, B_H)."""
+    bw, expected = {"B_P": 20.0, "B_H": 40.0}, 40.0
+    ft = _run("ft-qstar", {"W1": dict(requests=2, decode=10.0, mean_ttft=1.0, worst_ttft=1.0)})
+    ft["workloads"]["W1"]["freetoken"] = {"decode": {"fills": 6, "cpu": 12}}
+    ft["freetoken"] = {"after": {"bandwidth": bw, "pool": {"expert_bytes": 3e9}}}
+    base = _run("stock-gpu", {"W1": dict(decode=100.0, mean_ttft=1.0, worst_ttft=1.0)})
+    (row,) = run_all.roofline([base, ft])
+    tokens = 20 - 2  # completion tokens - requests
+    t = 10e-3 + (18 / tokens) * 3e9 / (expected * 1e9)
+    assert row["misses_per_token"] == 1.0
+    assert abs(row["bound_tok_s"] - 1 / t) < 1e-9
