@@ -21,19 +21,21 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from servers import SHAPES, GpuMemorySampler, Server, freetoken_stats, write_shape  # noqa: E402
 
-def stream_generate(url: str, input_ids: List[int], new_tokens: int) -> Dict[str, float]:
+def stream_generate(url: str, input_ids: List[int], new_tokens: int,
+                    max_s: Optional[float] = None) -> Dict[str, float]:
     """One streamed request; returns TTFT (s), decode tok/s over the tokens after the first,
-    and the token count."""
+    the token count, and ``cut``: with ``max_s``, the stream is closed (SGLang aborts the
+    request) once the request has run that long, and the rates come from the tokens seen."""
     t0 = time.perf_counter()
     first = last = None
-    n = 0
+    n, cut = 0, False
     with requests.post(
         url + "/generate",
         json={
@@ -59,31 +61,39 @@ def stream_generate(url: str, input_ids: List[int], new_tokens: int) -> Dict[str
                     first = now
                 last = now
                 n = count
+            if max_s is not None and now - t0 > max_s and n < new_tokens:
+                cut = True
+                break
     decode = (n - 1) / (last - first) if n > 1 and last > first else float("nan")
-    return {"ttft_s": first - t0, "decode_tok_s": decode, "tokens": n}
+    return {"ttft_s": (first - t0) if first is not None else float("nan"),
+            "decode_tok_s": decode, "tokens": n, "cut": cut}
 
 
 def measure_decode(url: str, input_len: int, new_tokens: int, repeats: int,
-                   seed: int = 0) -> Dict[str, object]:
+                   seed: int = 0, max_request_s: Optional[float] = None) -> Dict[str, object]:
     """Decode tok/s of a running server: one warm-up request, then ``repeats`` requests at
     batch 1 (mean of per-request tok/s) and 4 concurrent requests (total tokens / wall time),
     prompts of ``input_len`` random token ids, ``new_tokens`` greedy tokens each
-    (``ignore_eos``). On a FreeToken server, also the decode-phase counters of each window."""
+    (``ignore_eos``). On a FreeToken server, also the decode-phase counters of each window.
+    With ``max_request_s`` each request is cut after that long (slow systems such as
+    ``--cpu-offload-gb``); ``cut_requests`` counts them."""
     rng = random.Random(seed)
     prompt = lambda: [rng.randrange(1000, 100000) for _ in range(input_len)]
-    stream_generate(url, prompt(), 16)  # warm-up (first request; its misses fill the cache)
+    stream_generate(url, prompt(), 16, max_request_s)  # warm-up (its misses fill the cache)
     result: Dict[str, object] = {}
     before_bs1 = freetoken_stats(url)
-    b1 = [stream_generate(url, prompt(), new_tokens) for _ in range(repeats)]
+    b1 = [stream_generate(url, prompt(), new_tokens, max_request_s) for _ in range(repeats)]
     before_bs4 = freetoken_stats(url)
     result["bs1_decode_tok_s"] = sum(r["decode_tok_s"] for r in b1) / len(b1)
     result["bs1_ttft_s"] = sum(r["ttft_s"] for r in b1) / len(b1)
     with ThreadPoolExecutor(4) as ex:
         t_b = time.perf_counter()
-        b4 = list(ex.map(lambda p: stream_generate(url, p, new_tokens), [prompt() for _ in range(4)]))
+        b4 = list(ex.map(lambda p: stream_generate(url, p, new_tokens, max_request_s),
+                         [prompt() for _ in range(4)]))
         wall = time.perf_counter() - t_b
     result["bs4_decode_tok_s_per_req"] = sum(r["decode_tok_s"] for r in b4) / 4
     result["bs4_total_tok_s"] = sum(r["tokens"] for r in b4) / wall
+    result["cut_requests"] = sum(r["cut"] for r in b1 + b4)
     after = freetoken_stats(url)
     if after is not None:
         # Counters of the decode-sized layer calls during each measurement.

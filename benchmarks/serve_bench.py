@@ -27,8 +27,10 @@ Per workload and per run: mean and worst TTFT, mean decode tok/s (the mean of pe
 rates, as in the paper's §5.1), token totals, and the difference of ``GET /freetoken/stats``
 counters over it (absent on a stock server: 404).
 
-With ``--budget-s`` (``run_system(budget_s=...)``) no request starts once the run has lasted
-that long: the rest of that workload and the later workloads are not run. Every summary
+With ``--budget-s`` (``run_system(budget_s=...)``) the run's wall-clock budget is shared
+out in equal cumulative shares: workload i of n starts no request after ``(i+1)/n`` of the
+budget has passed (time a workload leaves unused carries to the next), so that every workload
+gets measured when the budget is short. Every summary
 then holds ``planned`` (the requests scripted) and ``truncated``, and the table's requests
 cell reads e.g. ``5/17 (budget)``.
 
@@ -316,8 +318,8 @@ def run_system(
         flush: empty SGLang's prefix cache before each workload (sessions then start cold
             whatever ran before).
         timeout: per request, s.
-        budget_s: wall-clock budget (s) of the whole run: once it has run longer, no request
-            starts, in this workload or the later ones. Each workload's summary and the run's
+        budget_s: wall-clock budget (s) of the whole run, shared out in equal cumulative
+            shares: workload i of n starts no request once ``(i+1)/n`` of it has passed. Each workload's summary and the run's
             hold ``planned`` (requests scripted) and ``truncated`` (fewer were run); a
             workload never started has 0 requests.
     """
@@ -334,8 +336,8 @@ def run_system(
            "started": time.time(), "workloads": {}, "requests": []}
     ft_start = freetoken_stats(base_url)
     t_run = time.perf_counter()
-    deadline = t_run + budget_s if budget_s is not None else None
-    for name in workloads:
+    for i, name in enumerate(workloads):
+        deadline = t_run + budget_s * (i + 1) / len(workloads) if budget_s is not None else None
         w = wl.build(name, scale=scale, seed=seed)
         reqs = w.requests((edits or {}).get(name), decode_cap=decode_cap)
         expired = deadline is not None and time.perf_counter() > deadline

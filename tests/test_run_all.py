@@ -199,20 +199,21 @@ def test_run_system_budget_truncates_and_marks(monkeypatch):
     monkeypatch.setattr(serve_bench, "freetoken_stats", lambda url: None)
     monkeypatch.setattr(serve_bench, "flush_cache", lambda url: True)
     monkeypatch.setattr(serve_bench, "_client", lambda url, timeout: None)
-    # requests start at t = 0, 1, ..., 5 s (within 5.5 s); W1 has 1, W2 17, W4 20
+    # one request a second; W1 has 1, W2 17, W4 20. Cumulative shares of 5.5 s: W1 until
+    # 1.83 s (t=0), W2 until 3.67 s (t=1, 2, 3), W4 until 5.5 s (t=4, 5).
     run = serve_bench.run_system("http://x", "m", ["W1", "W2", "W4"], scale=0.01, label="sys",
                                  budget_s=5.5)
     assert len(calls) == 6
     w = {n: run["workloads"][n]["summary"] for n in ("W1", "W2", "W4")}
     assert (w["W1"]["requests"], w["W1"]["planned"], w["W1"]["truncated"]) == (1, 1, False)
-    assert (w["W2"]["requests"], w["W2"]["planned"], w["W2"]["truncated"]) == (5, 17, True)
-    assert (w["W4"]["requests"], w["W4"]["planned"], w["W4"]["truncated"]) == (0, 20, True)
+    assert (w["W2"]["requests"], w["W2"]["planned"], w["W2"]["truncated"]) == (3, 17, True)
+    assert (w["W4"]["requests"], w["W4"]["planned"], w["W4"]["truncated"]) == (2, 20, True)
     assert (run["summary"]["requests"], run["summary"]["planned"], run["summary"]["truncated"]) == (6, 38, True)
     assert run["budget_s"] == 5.5
     md = serve_bench.markdown([run], per_request=False)
     assert "| sys | W1 | – | 1 |" in md
-    assert "| sys | W2 | placeholder | 5/17 (budget) |" in md
-    assert "| sys | W4 | drop_thinking | 0/20 (budget) |" in md
+    assert "| sys | W2 | placeholder | 3/17 (budget) |" in md
+    assert "| sys | W4 | drop_thinking | 2/20 (budget) |" in md
     assert "| sys | all | – | 6/38 (budget) |" in md
     # no budget: everything runs, nothing marked
     calls.clear()
@@ -268,8 +269,8 @@ def _patch_driver(monkeypatch, fail=()):
         return _run(label, {w: dict(decode=speeds[label], mean_ttft=1.0, worst_ttft=2.0)
                             for w in workloads})
 
-    def measure_decode(url, input_len, new_tokens, repeats, seed=0):
-        seen["decode"].append((url, input_len, new_tokens, repeats))
+    def measure_decode(url, input_len, new_tokens, repeats, seed=0, max_request_s=None):
+        seen["decode"].append((url, input_len, new_tokens, repeats, max_request_s))
         label = url.split("//")[1]
         return {"bs1_decode_tok_s": speeds[label], "bs4_total_tok_s": 2 * speeds[label]}
 
@@ -286,7 +287,7 @@ def test_run_all_append_failure_and_decode_bench(monkeypatch, tmp_path, capsys):
                        "--out-dir", str(out1)])
     assert rc == 1  # a system failed
     assert seen["budget"] == [60.0, 60.0]
-    assert seen["decode"] == [("http://stock-gpu", 128, 64, 2), ("http://ft-qstar", 128, 64, 2)]
+    assert seen["decode"] == [("http://stock-gpu", 128, 64, 2, 20.0), ("http://ft-qstar", 128, 64, 2, 20.0)]
     doc = json.loads((out1 / "runs.json").read_text())
     assert [r["label"] for r in doc["runs"]] == ["stock-gpu", "ft-qstar"]
     assert doc["errors"][0]["label"] == "stock-offload" and "server exited" in doc["errors"][0]["error"]
@@ -351,7 +352,7 @@ def test_run_all_sh_flags_and_override():
     base = args[:-1]
     a = run_all.parser().parse_args(base)
     assert a.systems == "stock-gpu,stock-offload,ft-qstar"
-    assert (a.decode_bench, a.budget_s, a.scale, a.decode_cap) == (64, 60.0, 0.1, 64)
+    assert (a.decode_bench, a.decode_bench_max_s, a.budget_s, a.scale, a.decode_cap) == (32, 10.0, 30.0, 0.1, 64)
     a = run_all.parser().parse_args(base + ["--systems", "ft-fill,ft-cpu", "--append", "OUT/runs.json"])
     assert a.systems == "ft-fill,ft-cpu" and a.append == ["OUT/runs.json"]
 
