@@ -3,7 +3,7 @@ the GPU) against FreeToken configurations, side by side in one run.
 
 Each system is a real ``python -m sglang.launch_server`` (``--load-format dummy``); the
 script measures start-up time, peak GPU memory (nvidia-smi, sampled) during load and while
-serving, and decode tok/s at batch 1 and 4 from streamed ``/generate`` requests, then prints
+serving (from the warm-up request on), and decode tok/s at batch 1 and 4 from streamed ``/generate`` requests, then prints
 a table with ratios against the first system.
 
     python benchmarks/bench_decode.py --shape qwen3-30b-a3b \\
@@ -29,69 +29,111 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from servers import SHAPES, GpuMemorySampler, Server, freetoken_stats, write_shape  # noqa: E402
 
 def stream_generate(url: str, input_ids: List[int], new_tokens: int,
-                    max_s: Optional[float] = None) -> Dict[str, float]:
-    """One streamed request; returns TTFT (s), decode tok/s over the tokens after the first,
-    the token count, and ``cut``: with ``max_s``, the stream is closed (SGLang aborts the
-    request) once the request has run that long, and the rates come from the tokens seen."""
+                    max_s: Optional[float] = None) -> Dict[str, object]:
+    """One streamed ``/generate`` request of ``new_tokens`` greedy tokens (``ignore_eos``).
+
+    Returns ``ttft_s`` (s, None if no token came), ``decode_tok_s`` (tokens after the first
+    over their time; None with fewer than 2 tokens), ``tokens`` and ``cut``. With ``max_s``
+    (s), the request is cut once it has run that long, also while waiting for a token: the
+    stream is closed and the request aborted on the server (``POST /abort_request``), and the
+    rates come from the tokens seen.
+
+    Raises:
+        requests.HTTPError: the server refused the request.
+        requests.ConnectionError: the server is not reachable.
+    """
     t0 = time.perf_counter()
-    first = last = None
+    first = last = rid = None
     n, cut = 0, False
-    with requests.post(
-        url + "/generate",
-        json={
-            "input_ids": input_ids,
-            "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
-            "stream": True,
-        },
-        stream=True,
-        timeout=1800,
-    ) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line or not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            msg = json.loads(data)
-            now = time.perf_counter()
-            count = msg.get("meta_info", {}).get("completion_tokens", n)
-            if count > n:
-                if first is None:
-                    first = now
-                last = now
-                n = count
-            if max_s is not None and now - t0 > max_s and n < new_tokens:
-                cut = True
-                break
-    decode = (n - 1) / (last - first) if n > 1 and last > first else float("nan")
-    return {"ttft_s": (first - t0) if first is not None else float("nan"),
+    try:
+        with requests.post(
+            url + "/generate",
+            json={
+                "input_ids": input_ids,
+                "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens,
+                                    "ignore_eos": True},
+                "stream": True,
+            },
+            stream=True,
+            timeout=(10, max_s if max_s is not None else 1800),  # (connect, between reads)
+        ) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line or not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                msg = json.loads(data)
+                now = time.perf_counter()
+                meta = msg.get("meta_info", {})
+                rid = meta.get("id", rid)
+                count = meta.get("completion_tokens", n)
+                if count > n:
+                    if first is None:
+                        first = now
+                    last = now
+                    n = count
+                if max_s is not None and now - t0 > max_s and n < new_tokens:
+                    cut = True
+                    break
+    except requests.exceptions.ReadTimeout:
+        if max_s is None:
+            raise
+        cut = True
+    if cut and rid is not None:
+        try:  # SGLang notices a closed stream only later; free the batch slot now
+            requests.post(url + "/abort_request", json={"rid": rid}, timeout=10)
+        except requests.RequestException:
+            pass
+    decode = (n - 1) / (last - first) if n > 1 and last > first else None
+    return {"ttft_s": (first - t0) if first is not None else None,
             "decode_tok_s": decode, "tokens": n, "cut": cut}
 
 
+def _mean(values) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
 def measure_decode(url: str, input_len: int, new_tokens: int, repeats: int,
-                   seed: int = 0, max_request_s: Optional[float] = None) -> Dict[str, object]:
-    """Decode tok/s of a running server: one warm-up request, then ``repeats`` requests at
-    batch 1 (mean of per-request tok/s) and 4 concurrent requests (total tokens / wall time),
-    prompts of ``input_len`` random token ids, ``new_tokens`` greedy tokens each
-    (``ignore_eos``). On a FreeToken server, also the decode-phase counters of each window.
-    With ``max_request_s`` each request is cut after that long (slow systems such as
-    ``--cpu-offload-gb``); ``cut_requests`` counts them."""
+                   seed: int = 0, max_request_s: Optional[float] = None,
+                   vocab_size: int = 100000) -> Dict[str, object]:
+    """Decode speed of a running server: one warm-up request (its misses fill the cache),
+    then ``repeats`` requests at batch 1 and 4 concurrent requests, on prompts of
+    ``input_len`` random token ids below ``vocab_size``, ``new_tokens`` greedy tokens each.
+
+    Returns ``bs1_decode_tok_s`` (mean of the per-request tok/s, over requests with at least
+    2 tokens; ``bs1_rated`` says how many), ``bs1_ttft_s`` (s), ``bs4_decode_tok_s_per_req``,
+    ``bs4_total_tok_s`` (all tokens of the 4 / wall time), ``cut_requests`` (cut at
+    ``max_request_s`` s, for slow systems such as ``--cpu-offload-gb``) and, on a FreeToken
+    server, the decode-phase counters of each window (``bs1_decode_counts``,
+    ``bs4_decode_counts``). Rates are None when no request gave one.
+
+    Raises:
+        ValueError: ``repeats`` < 1, ``new_tokens`` < 2 or ``max_request_s`` <= 0.
+        requests.HTTPError: the server refused a request.
+    """
+    if repeats < 1 or new_tokens < 2 or (max_request_s is not None and max_request_s <= 0):
+        raise ValueError("measure_decode needs repeats >= 1, new_tokens >= 2 and a positive "
+                         f"max_request_s (got {repeats}, {new_tokens}, {max_request_s})")
     rng = random.Random(seed)
-    prompt = lambda: [rng.randrange(1000, 100000) for _ in range(input_len)]
-    stream_generate(url, prompt(), 16, max_request_s)  # warm-up (its misses fill the cache)
+    hi = max(2, min(100000, vocab_size))
+    prompt = lambda: [rng.randrange(min(1000, hi // 2), hi) for _ in range(input_len)]
+    stream_generate(url, prompt(), 16, max_request_s)  # warm-up
     result: Dict[str, object] = {}
     before_bs1 = freetoken_stats(url)
     b1 = [stream_generate(url, prompt(), new_tokens, max_request_s) for _ in range(repeats)]
     before_bs4 = freetoken_stats(url)
-    result["bs1_decode_tok_s"] = sum(r["decode_tok_s"] for r in b1) / len(b1)
-    result["bs1_ttft_s"] = sum(r["ttft_s"] for r in b1) / len(b1)
+    result["bs1_decode_tok_s"] = _mean(r["decode_tok_s"] for r in b1)
+    result["bs1_rated"] = sum(r["decode_tok_s"] is not None for r in b1)
+    result["bs1_ttft_s"] = _mean(r["ttft_s"] for r in b1)
     with ThreadPoolExecutor(4) as ex:
         t_b = time.perf_counter()
         b4 = list(ex.map(lambda p: stream_generate(url, p, new_tokens, max_request_s),
                          [prompt() for _ in range(4)]))
         wall = time.perf_counter() - t_b
-    result["bs4_decode_tok_s_per_req"] = sum(r["decode_tok_s"] for r in b4) / 4
+    result["bs4_decode_tok_s_per_req"] = _mean(r["decode_tok_s"] for r in b4)
     result["bs4_total_tok_s"] = sum(r["tokens"] for r in b4) / wall
     result["cut_requests"] = sum(r["cut"] for r in b1 + b4)
     after = freetoken_stats(url)
@@ -149,8 +191,8 @@ def window(before: dict, after: dict) -> Dict[str, object]:
 
 
 def table(results: List[Dict[str, object]]) -> str:
-    """Markdown table; ratios are against the first system measured."""
-    base = results[0]
+    """Markdown table; ratios are against the first system measured without an error."""
+    base = next((r for r in results if not r.get("error")), results[0])
     nan = float("nan")
     num = lambda r, k: r.get(k) if r.get(k) is not None else nan
     cols = [
@@ -167,7 +209,8 @@ def table(results: List[Dict[str, object]]) -> str:
     share = lambda w: w["cpu"] / w["reads"] if w.get("reads") else None
     for r in results:
         if r.get("error"):
-            lines.append(f"| {r['label']} | failed: {r['error'][:80]} |" + " |" * (len(cols) + 8))
+            err = " ".join(str(r["error"]).split()).replace("|", "\\|")[:120]
+            lines.append(f"| {r['label']} | failed: {err} |" + " - |" * (len(cols) + 7))
             continue
         w1, w4 = r.get("bs1_decode_counts") or {}, r.get("bs4_decode_counts") or {}
         lines.append(

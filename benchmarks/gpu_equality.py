@@ -66,15 +66,16 @@ def run(model_path, new_tokens, extra):
 
 
 def divergence(stock, ft):
-    """Per prompt: the first differing token, stock's top-1 minus top-2 logprob there (a
-    near-tie when small), and the largest |logprob difference| of the chosen tokens before it."""
+    """Per prompt: the first differing token, stock's top-1 minus top-2 logprob there (nats;
+    a near-tie when small), and the largest |logprob difference| (nats) of the chosen tokens
+    before it."""
     out = []
     for s, f, ls, lf in zip(stock["sequential"], ft["sequential"], stock["logprobs"], ft["logprobs"]):
         j = next((i for i, (x, y) in enumerate(zip(s, f)) if x != y), None)
         upto = len(s) if j is None else j
         out.append({
             "first_diff": j,
-            "stock_margin_at_diff": None if j is None else ls[j][1] - ls[j][2],
+            "stock_margin_at_diff": ls[j][1] - ls[j][2] if j is not None and j < len(ls) else None,
             "max_abs_logprob_diff_before": max(
                 (abs(a[0] - b[0]) for a, b in zip(ls[:upto], lf[:upto])), default=0.0),
         })
@@ -137,6 +138,11 @@ def main():
     bad = [r["miss_policy"] for r in results if r["miss_policy"] == "fill" and not all(r["identical"].values())]
     if bad:
         raise SystemExit("FreeToken's greedy tokens differ from stock SGLang's (fill policy)")
+    idle = [r["miss_policy"] for r in results
+            if r["miss_policy"] != "fill" and not (r["freetoken_stats"] or {}).get("cpu")]
+    if idle:
+        raise SystemExit(f"miss policy {', '.join(idle)}: no expert ran on the CPU, so its CPU "
+                         "path was not exercised (the cache may be too large for this check)")
 
 
 if __name__ == "__main__":

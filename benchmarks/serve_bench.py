@@ -29,7 +29,7 @@ counters over it (absent on a stock server: 404).
 
 With ``--budget-s`` (``run_system(budget_s=...)``) the run's wall-clock budget is shared
 out in equal cumulative shares: workload i of n starts no request after ``(i+1)/n`` of the
-budget has passed (time a workload leaves unused carries to the next), so that every workload
+budget has passed (time a workload leaves unused carries to the next), so that each workload
 gets measured when the budget is short. Every summary
 then holds ``planned`` (the requests scripted) and ``truncated``, and the table's requests
 cell reads e.g. ``5/17 (budget)``.
@@ -156,8 +156,10 @@ def _delta_has_output(delta) -> bool:
     return bool(getattr(delta, "reasoning_content", None) or extra.get("reasoning_content"))
 
 
-def stream_chat(client, body: dict) -> dict:
-    """Send one streaming chat completion with the ``openai`` client and time it.
+def stream_chat(client, body: dict, max_s: Optional[float] = None) -> dict:
+    """Send one streaming chat completion with the ``openai`` client and time it. With
+    ``max_s`` (s) the request is cut once it has run that long (also while waiting for a
+    chunk): the stream is closed and ``error`` says so.
 
     Returns a dict: ``ttft_s`` (s, to the first chunk), ``ttft_text_s`` (s, to the first
     non-empty text), ``decode_s`` (s, first to last chunk),
@@ -172,15 +174,22 @@ def stream_chat(client, body: dict) -> dict:
                   stream_options={"include_usage": True}, extra_body=extra)
     if body.get("tools"):
         kwargs["tools"] = body["tools"]
+    if max_s is not None:
+        kwargs["timeout"] = max_s  # the longest wait for the first or the next chunk
     rec = {"ttft_s": None, "ttft_text_s": None, "decode_s": None, "decode_tok_s": None, "tpot_ms": None,
            "e2e_s": None, "prompt_tokens": None, "cached_tokens": None,
            "completion_tokens": None, "output_chunks": 0, "finish_reason": None, "error": None}
     t0 = time.perf_counter()
     t_first = t_last = t_text = None
     usage = None
+    stream = None
     try:
-        for chunk in client.chat.completions.create(**kwargs):
+        stream = client.chat.completions.create(**kwargs)
+        for chunk in stream:
             now = time.perf_counter()
+            if max_s is not None and now - t0 > max_s:
+                rec["error"] = f"cut by the budget after {now - t0:.1f} s"
+                break
             if chunk.usage is not None:
                 usage = chunk.usage
             for ch in chunk.choices or []:
@@ -195,6 +204,9 @@ def stream_chat(client, body: dict) -> dict:
                     rec["finish_reason"] = ch.finish_reason
     except Exception as e:  # noqa: BLE001 - recorded, the run goes on
         rec["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if stream is not None and hasattr(stream, "close"):
+            stream.close()  # a cut request is aborted by SGLang when its stream closes
     t_end = time.perf_counter()
     rec["e2e_s"] = t_end - t0
     if t_first is not None:
@@ -228,12 +240,14 @@ def _client(base_url: str, timeout: float):
 
 def run_session(client, model: str, requests_: Sequence[wl.Request], tokenizer=None,
                 cache_report: Optional[bool] = True, label: str = "",
-                deadline: Optional[float] = None) -> List[dict]:
+                deadline: Optional[float] = None,
+                request_deadline: Optional[float] = None) -> List[dict]:
     """Run a session's requests in order; one record per request. With ``tokenizer``, each
     record also holds ``local_prompt_tokens`` (the prompt rendered here) and
     ``shared_prefix_tokens`` (tokens shared with the previous request's prompt: what an
     exact prefix cache could reuse). With ``deadline`` (a ``time.perf_counter()`` value) no
-    request starts after it: fewer records than requests then."""
+    request starts after it: fewer records than requests then. With ``request_deadline``
+    (same clock) a request still running then is cut (its record's ``error`` says so)."""
     records, prev_ids = [], None
     for r in requests_:
         if deadline is not None and time.perf_counter() > deadline:
@@ -247,7 +261,10 @@ def run_session(client, model: str, requests_: Sequence[wl.Request], tokenizer=N
             rec["local_prompt_tokens"] = len(ids)
             rec["shared_prefix_tokens"] = wl.common_prefix(prev_ids, ids) if prev_ids else 0
             prev_ids = ids
-        rec.update(stream_chat(client, r.body(model)))
+        max_s = (None if request_deadline is None
+                 else max(1.0, request_deadline - time.perf_counter()))
+        rec.update(stream_chat(client, r.body(model), max_s) if max_s is not None
+                   else stream_chat(client, r.body(model)))
         if cache_report is False:
             rec["cached_tokens"] = None  # the server does not report it
         if rec["prompt_tokens"] is not None and rec["cached_tokens"] is not None:
@@ -319,7 +336,10 @@ def run_system(
             whatever ran before).
         timeout: per request, s.
         budget_s: wall-clock budget (s) of the whole run, shared out in equal cumulative
-            shares: workload i of n starts no request once ``(i+1)/n`` of it has passed. Each workload's summary and the run's
+            shares: workload i of n starts no request once ``(i+1)/n`` of it has passed, and
+            a request still running one share after the budget's end is cut (shown as a
+            failed request), so a run lasts at most ``budget_s * (1 + 1/n)`` plus start-up
+            of the stream. Each workload's summary and the run's
             hold ``planned`` (requests scripted) and ``truncated`` (fewer were run); a
             workload never started has 0 requests.
     """
@@ -345,7 +365,8 @@ def run_system(
             flush_cache(base_url)
         before = freetoken_stats(base_url)
         t0 = time.perf_counter()
-        recs = run_session(client, model, reqs, tokenizer, cache_report, label, deadline)
+        hard = (t_run + budget_s * (1 + 1 / len(workloads)) if budget_s is not None else None)
+        recs = run_session(client, model, reqs, tokenizer, cache_report, label, deadline, hard)
         wall = time.perf_counter() - t0
         after = freetoken_stats(base_url)
         summ = summarize(recs)
@@ -481,8 +502,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-flush", action="store_true", help="keep the prefix cache between workloads")
     p.add_argument("--timeout", type=float, default=1800.0, help="per request, s")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="wall-clock budget of the whole run, s: no request starts after it "
-                        "(the table shows the cut, e.g. 5/17 (budget))")
+                   help="wall-clock budget of the whole run, s, shared out between the "
+                        "workloads: workload i of n starts no request after (i+1)/n of it; "
+                        "the table shows the cut, e.g. 5/17 (budget)")
     p.add_argument("--out-json", default=None)
     p.add_argument("--out-md", default=None)
     p.add_argument("--no-per-request", action="store_true", help="markdown: summary table only")

@@ -7,8 +7,9 @@
   the host pool with exactly the values stock SGLang gives the same parameters on the GPU
   (per-parameter seed, same generator device), generating one layer on the device and
   copying it into every layer's rows, instead of a slow single-threaded host fill. The
-  copies run on every core: SGLang's ``ModelRunner.load_model`` sets one torch thread on
-  GPUs, which made this fill (54 GiB for Qwen3-30B-A3B) take about 30 s.
+  copies run on every core the process may use: SGLang's ``ModelRunner.load_model`` sets one
+  torch thread on GPUs, with which this fill of the Qwen3-30B-A3B pool (54 GiB) took 32.5 s
+  on the H200 host, against 4-7 s on 16 cores (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -59,23 +60,25 @@ def initialize_dummy_weights(original, model, *args, **kwargs):
             for name in names:
                 getattr(m, name).data = saved[(id(m), name)]
     device = rt.device
-    for name in names:
-        template = getattr(layers[0], name).data
-        values = torch.empty(template.shape, dtype=template.dtype, device=device)
-        gen = torch.Generator(device=device)
-        gen.manual_seed(seed)
-        values.uniform_(low, high, generator=gen)
-        values = values.to("cpu")
-        # Same shape, numel and dtype in every layer, hence the same values as stock.
-        with _torch_threads(os.cpu_count() or 1):
+    with _torch_threads(len(os.sched_getaffinity(0))):
+        for name in names:
+            template = getattr(layers[0], name).data
+            values = torch.empty(template.shape, dtype=template.dtype, device=device)
+            gen = torch.Generator(device=device)
+            gen.manual_seed(seed)
+            values.uniform_(low, high, generator=gen)
+            values = values.to("cpu")
+            # Same shape, numel and dtype in every layer, hence the same values as stock.
             for m in layers:
                 getattr(m, name).data.copy_(values)
-        del values
+            del values
 
 
 @contextlib.contextmanager
 def _torch_threads(n: int):
-    """Run the block with ``n`` torch intra-op threads, then restore the previous count."""
+    """Run the block with ``n`` torch intra-op threads (the cores this process may use), then
+    restore the previous count. SGLang runs one scheduler process per GPU and FreeToken
+    refuses tensor/pipeline/data parallelism, so one process uses the cores here."""
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, n))
     try:

@@ -83,7 +83,8 @@ def published_server_args(tiny_checkpoint):
     from sglang.srt.server_args import ServerArgs
 
     publish(ServerArgs(model_path=tiny_checkpoint("qwen3_moe")), role="test")
-    if not torch.distributed.is_initialized():
+    made_dist = not torch.distributed.is_initialized()
+    if made_dist:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -91,11 +92,14 @@ def published_server_args(tiny_checkpoint):
             world_size=1, rank=0, local_rank=0, backend="nccl",
             distributed_init_method=f"tcp://127.0.0.1:{port}",
         )
-    if not ps.model_parallel_is_initialized():
+    made_groups = not ps.model_parallel_is_initialized()
+    if made_groups:
         ps.initialize_model_parallel(tensor_model_parallel_size=1)
     yield
-    ps.destroy_model_parallel()
-    ps.destroy_distributed_environment()
+    if made_groups:
+        ps.destroy_model_parallel()
+    if made_dist:
+        ps.destroy_distributed_environment()
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 64, 700])

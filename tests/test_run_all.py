@@ -12,6 +12,8 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BENCH = os.path.join(ROOT, "benchmarks")
@@ -60,9 +62,13 @@ def test_run_all_cpu_smoke(tiny_checkpoint, tmp_path):
     ratios = json.loads((out / "ratios.json").read_text())["workloads"]
     assert {(r["system"], r["workload"]) for r in ratios} == {
         (s, w) for s in ("stock-gpu", "ft-qstar") for w in ("W1", "W2")}
+    doc = json.loads((out / "runs.json").read_text())
+    speed = {(r["label"], w): r["workloads"][w]["summary"]["mean_decode_tok_s"]
+             for r in doc["runs"] for w in r["workloads"]}
     for r in ratios:
         assert r["mean_decode_tok_s"]["baseline"] == "stock-gpu"
-        assert r["mean_decode_tok_s"]["ratio"] > 0
+        want = speed[r["system"], r["workload"]] / speed["stock-gpu", r["workload"]]
+        assert abs(r["mean_decode_tok_s"]["ratio"] - want) < 1e-12
 
 
 # ---------------------------------------------------------------------------------------
@@ -171,10 +177,17 @@ class _FakeClock:
         return self.t
 
 
-def _fake_stream_chat(clock, calls):
-    def stream_chat(client, body):
-        calls.append(body)
-        clock.t += 1.0  # each request takes 1 s
+def _fake_stream_chat(clock, calls, seconds=1.0):
+    """Each request takes ``seconds`` on ``clock``, or is cut at its ``max_s``."""
+    def stream_chat(client, body, max_s=None):
+        calls.append((body, max_s))
+        if max_s is not None and seconds > max_s:
+            clock.t += max_s
+            return {"ttft_s": None, "ttft_text_s": None, "decode_s": None, "decode_tok_s": None,
+                    "tpot_ms": None, "e2e_s": max_s, "prompt_tokens": None,
+                    "cached_tokens": None, "completion_tokens": None, "output_chunks": 0,
+                    "finish_reason": None, "error": f"cut by the budget after {max_s:.1f} s"}
+        clock.t += seconds
         return {"ttft_s": 0.1, "ttft_text_s": 0.1, "decode_s": 0.5, "decode_tok_s": 4.0,
                 "tpot_ms": 250.0, "e2e_s": 1.0, "prompt_tokens": 10, "cached_tokens": 0,
                 "completion_tokens": 3, "output_chunks": 3, "finish_reason": "length",
@@ -184,7 +197,7 @@ def _fake_stream_chat(clock, calls):
 
 def test_run_session_deadline_passed_issues_no_request(monkeypatch):
     calls = []
-    monkeypatch.setattr(serve_bench, "stream_chat", lambda c, b: calls.append(b) or {})
+    monkeypatch.setattr(serve_bench, "stream_chat", lambda c, b, m=None: calls.append(b) or {})
     reqs = serve_bench.wl.build("W2", scale=0.01).requests()
     import time
     recs = serve_bench.run_session(None, "m", reqs, deadline=time.perf_counter() - 1.0)
@@ -220,6 +233,29 @@ def test_run_system_budget_truncates_and_marks(monkeypatch):
     run = serve_bench.run_system("http://x", "m", ["W1", "W2"], scale=0.01, label="sys")
     assert len(calls) == 18 and run["summary"]["truncated"] is False
     assert "(budget)" not in serve_bench.markdown([run], per_request=False)
+    assert all(m is None for _, m in calls)  # no budget: no request is cut
+
+
+def test_run_system_budget_cuts_a_request_in_flight(monkeypatch):
+    """A request still running one share after the budget's end is cut and shown failed."""
+    clock, calls = _FakeClock(), []
+    monkeypatch.setattr(serve_bench, "time", clock)
+    monkeypatch.setattr(serve_bench, "stream_chat", _fake_stream_chat(clock, calls, seconds=10.0))
+    monkeypatch.setattr(serve_bench, "server_info", lambda url: {"enable_cache_report": True})
+    monkeypatch.setattr(serve_bench, "freetoken_stats", lambda url: None)
+    monkeypatch.setattr(serve_bench, "flush_cache", lambda url: True)
+    monkeypatch.setattr(serve_bench, "_client", lambda url, timeout: None)
+    # budget 6 s over W1, W2: shares end at 3 s and 6 s; requests are cut at 6 + 3 = 9 s.
+    run = serve_bench.run_system("http://x", "m", ["W1", "W2"], scale=0.01, label="sys",
+                                 budget_s=6.0)
+    assert [m for _, m in calls] == [9.0]  # W1's request, cut at 9 s; W2 never starts
+    w1, w2 = run["workloads"]["W1"]["summary"], run["workloads"]["W2"]["summary"]
+    assert (w1["requests"], w1["errors"]) == (1, 1)
+    assert (w2["requests"], w2["planned"], w2["truncated"]) == (0, 17, True)
+    assert run["summary"]["wall_s"] == 9.0
+    md = serve_bench.markdown([run], per_request=True)
+    assert "| sys | W1 | – | 1 (1 failed) |" in md
+    assert "cut by the budget after 9.0 s" in md
 
 
 class _FakeServer:
@@ -263,14 +299,16 @@ def _patch_driver(monkeypatch, fail=()):
     monkeypatch.setattr(run_all, "Server", type("S", (_FakeServer,), {"fail": fail}))
     monkeypatch.setattr(run_all, "GpuMemorySampler", _FakeSampler)
     monkeypatch.setattr(run_all, "expert_pool_gib", lambda model: 1.0)
+    monkeypatch.setattr(run_all, "vocab_size", lambda model: 32000)
 
     def run_system(url, workloads, scale, label, decode_cap, budget_s):
         seen["budget"].append(budget_s)
         return _run(label, {w: dict(decode=speeds[label], mean_ttft=1.0, worst_ttft=2.0)
                             for w in workloads})
 
-    def measure_decode(url, input_len, new_tokens, repeats, seed=0, max_request_s=None):
-        seen["decode"].append((url, input_len, new_tokens, repeats, max_request_s))
+    def measure_decode(url, input_len, new_tokens, repeats, seed=0, max_request_s=None,
+                       vocab_size=None):
+        seen["decode"].append((url, input_len, new_tokens, repeats, max_request_s, vocab_size))
         label = url.split("//")[1]
         return {"bs1_decode_tok_s": speeds[label], "bs4_total_tok_s": 2 * speeds[label]}
 
@@ -287,7 +325,8 @@ def test_run_all_append_failure_and_decode_bench(monkeypatch, tmp_path, capsys):
                        "--out-dir", str(out1)])
     assert rc == 1  # a system failed
     assert seen["budget"] == [60.0, 60.0]
-    assert seen["decode"] == [("http://stock-gpu", 128, 64, 2, 20.0), ("http://ft-qstar", 128, 64, 2, 20.0)]
+    assert seen["decode"] == [("http://stock-gpu", 128, 64, 2, 20.0, 32000),
+                              ("http://ft-qstar", 128, 64, 2, 20.0, 32000)]
     doc = json.loads((out1 / "runs.json").read_text())
     assert [r["label"] for r in doc["runs"]] == ["stock-gpu", "ft-qstar"]
     assert doc["errors"][0]["label"] == "stock-offload" and "server exited" in doc["errors"][0]["error"]
@@ -298,29 +337,60 @@ def test_run_all_append_failure_and_decode_bench(monkeypatch, tmp_path, capsys):
     assert "Decode (random 128-token prompts, 64 tokens, batch 1 and 4):" in report
     assert "| ft-qstar | 10.00 | 20.00 | - | - | - | - | 0.50 (stock-gpu) | 0.50 (stock-gpu) |" in report
 
-    # second call: two more systems, the first call's runs and failure come first
+    # second call, same settings: stock-offload fails again, ft-fill runs; the first
+    # call's runs and failure come first
+    same = ["--model-path", "unused", "--workloads", "W1", "--decode-bench", "64",
+            "--budget-s", "60"]
     out2 = tmp_path / "out2"
-    rc = run_all.main(["--model-path", "unused", "--systems", "stock-gpu,stock-offload,ft-qstar",
-                       "--systems", "stock-offload,ft-fill", "--workloads", "W1",
-                       "--append", str(out1 / "runs.json"), "--out-dir", str(out2)])
-    assert rc == 1  # stock-offload fails again
+    rc = run_all.main(same + ["--systems", "stock-gpu,stock-offload,ft-qstar",
+                              "--systems", "stock-offload,ft-fill",
+                              "--append", str(out1 / "runs.json"), "--out-dir", str(out2)])
+    assert rc == 1  # stock-offload failed in this call
     doc = json.loads((out2 / "runs.json").read_text())
     assert [r["label"] for r in doc["runs"]] == ["stock-gpu", "ft-qstar", "ft-fill"]
+    assert [r.get("appended_from") for r in doc["runs"]] == [str(out1 / "runs.json")] * 2 + [None]
     assert [e["label"] for e in doc["errors"]] == ["stock-offload", "stock-offload"]
     report = (out2 / "report.md").read_text()
     assert "| ft-fill | W1 | 0.25 (stock-gpu) |" in report
     assert "| ft-qstar | W1 | 0.50 (stock-gpu) |" in report
-    assert "| ft-fill | not measured |" in report  # no --decode-bench in the second call
+    assert "| ft-fill | 5.00 | 10.00 |" in report
+    assert "Runs of other calls (`--append`)" in report
     assert (out2 / "serving.png").stat().st_size > 0
+
+    # third call: only ft-cpu, which runs; the appended failures do not fail this call
+    out3 = tmp_path / "out3"
+    rc = run_all.main(same + ["--systems", "ft-cpu", "--append", str(out2 / "runs.json"),
+                              "--out-dir", str(out3)])
+    assert rc == 0
+    assert [r["label"] for r in json.loads((out3 / "runs.json").read_text())["runs"]] == [
+        "stock-gpu", "ft-qstar", "ft-fill", "ft-cpu"]
+
+    # other settings, a system twice, an unknown system, a file that is no runs.json
+    for extra, message in [
+        (["--systems", "ft-cpu", "--decode-bench", "32"], "--decode-bench 64"),
+        (["--systems", "ft-qstar"], "would appear twice"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            run_all.main(same + extra + ["--append", str(out1 / "runs.json"),
+                                         "--out-dir", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="unknown ft-xyz"):
+        run_all.main(same + ["--systems", "ft-xyz", "--out-dir", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="--budget-s must be a positive"):
+        run_all.main(same[:-1] + ["0", "--systems", "ft-cpu", "--out-dir", str(tmp_path / "x")])
+    junk = tmp_path / "junk.json"
+    junk.write_text('{"a": 1}')
+    with pytest.raises(SystemExit, match="not a runs.json"):
+        run_all.load_appended([str(junk)])
 
     # appending a single-run file (serve_bench's format for one run) and a runs.json
     single = tmp_path / "single.json"
-    single.write_text(json.dumps(_run("stock-gpu", {"W1": dict(decode=40.0, mean_ttft=0.5, worst_ttft=1.0)})))
+    single.write_text(json.dumps(_run("stock-offload", {"W1": dict(decode=40.0, mean_ttft=0.5, worst_ttft=1.0)})))
     runs, errors = run_all.load_appended([str(single), str(out1 / "runs.json")])
-    assert [r["label"] for r in runs] == ["stock-gpu", "stock-gpu", "ft-qstar"]
+    assert [r["label"] for r in runs] == ["stock-offload", "stock-gpu", "ft-qstar"]
     assert [e["label"] for e in errors] == ["stock-offload"]
     rows = {(r["system"], r["workload"]): r for r in run_all.ratios(runs)}
     assert rows["ft-qstar", "W1"]["mean_decode_tok_s"]["ratio"] == 0.25  # against the 40 tok/s run
+    assert rows["ft-qstar", "W1"]["mean_decode_tok_s"]["baseline"] == "stock-offload"
 
 
 def test_runs_json_written_after_each_system(monkeypatch, tmp_path):
@@ -357,10 +427,11 @@ def test_run_all_sh_flags_and_override():
     assert a.systems == "ft-fill,ft-cpu" and a.append == ["OUT/runs.json"]
 
 
-def test_roofline_uses_the_better_bandwidth():
+@pytest.mark.parametrize("b_p,b_h", [(20.0, 40.0), (40.0, 20.0)])
+def test_roofline_uses_the_better_bandwidth(b_p, b_h):
     """Under q* (paper Eq. 2-4: the CPU gets the residual B_H - B_P while fills run), a layer's
     m misses take m S / max(B_P, B_H)."""
-    bw, expected = {"B_P": 20.0, "B_H": 40.0}, 40.0
+    bw, expected = {"B_P": b_p, "B_H": b_h}, 40.0
     ft = _run("ft-qstar", {"W1": dict(requests=2, decode=10.0, mean_ttft=1.0, worst_ttft=1.0)})
     ft["workloads"]["W1"]["freetoken"] = {"decode": {"fills": 6, "cpu": 12}}
     ft["freetoken"] = {"after": {"bandwidth": bw, "pool": {"expert_bytes": 3e9}}}
