@@ -107,6 +107,32 @@ def check_pool_layout(model_path: str, **kw) -> dict:
 
 
 
+def check_dummy_values(model_path: str, **kw) -> dict:
+    """``--load-format dummy``: the host pool holds, in every MoE layer, the values stock
+    SGLang's ``initialize_dummy_weights`` gives a parameter of that shape and dtype."""
+    import torch
+    from sglang.srt.model_loader import weight_utils
+
+    from freetoken_sglang.runtime import get_runtime
+
+    load_model_runner(model_path, load_format="dummy", **kw)
+    pool = get_runtime().pool
+    L, E = len(pool.moe_layer_ids), pool.num_experts
+    out = {"layers": L, "banks": {}}
+    for name, bank in pool.banks.items():
+        holder = torch.nn.Module()
+        holder.w = torch.nn.Parameter(
+            torch.empty((E, *pool.specs[name].shape), dtype=bank.dtype), requires_grad=False
+        )
+        weight_utils.initialize_dummy_weights(holder)  # stock's own values (no FreeToken layer)
+        rows = bank.view(L, E, *pool.specs[name].shape)
+        out["banks"][name] = {
+            "layers_equal_to_stock": [bool(torch.equal(rows[l], holder.w)) for l in range(L)],
+            "nonzero": bool(holder.w.abs().sum() > 0),
+        }
+    return out
+
+
 def check_engine(model_path: str, **kw) -> dict:
     """``sglang.Engine(..., enable_freetoken=True, freetoken_*=...)``: generate and read the
     counters through ``get_server_info``."""
@@ -131,7 +157,8 @@ def check_engine(model_path: str, **kw) -> dict:
     return {"output_ids": [o["output_ids"] for o in out], "stats": stats}
 
 
-CHECKS = {"pool_layout": check_pool_layout, "engine": check_engine}
+CHECKS = {"pool_layout": check_pool_layout, "engine": check_engine,
+          "dummy_values": check_dummy_values}
 
 def run_check(check: str, model_path: str, **kw) -> dict:
     """Run ``check`` in a fresh Python process and return its JSON result.

@@ -78,3 +78,15 @@ def test_loaded_pool_rows_hold_the_checkpoint_experts(tiny_checkpoint, family, f
     assert r["mismatches"] == []
     assert r["params_are_views"] is True
     assert r["expert_params_on_cpu"] is True
+
+
+def test_dummy_load_fills_the_pool_with_stock_values(tiny_checkpoint):
+    """patches/model_loader.initialize_dummy_weights: every layer's rows equal what stock
+    SGLang draws for an expert parameter of that shape (the pool never sat on the device)."""
+    path = tiny_checkpoint("qwen3_moe")
+    r = run_check("dummy_values", path, freetoken_cache_ratio=0.5)
+    assert r["layers"] >= 2
+    assert set(r["banks"]) == {"w13_weight", "w2_weight"}
+    for bank in r["banks"].values():
+        assert bank["nonzero"] is True
+        assert bank["layers_equal_to_stock"] == [True] * r["layers"]

@@ -33,7 +33,7 @@ def test_run_all_cpu_smoke(tiny_checkpoint, tmp_path):
         [sys.executable, os.path.join(ROOT, "benchmarks", "run_all.py"), "--model-path", path,
          "--cpu", "--systems", "stock-gpu,ft-qstar", "--workloads", "W1,W2", "--scale", "0.01",
          "--decode-cap", "3", "--bandwidth", "20,40", "--budget-s", "3000",
-         "--out-dir", str(out)],
+         "--decode-bench", "4", "--out-dir", str(out)],
         env=cpu_env(), capture_output=True, text=True, timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -47,6 +47,11 @@ def test_run_all_cpu_smoke(tiny_checkpoint, tmp_path):
         assert r["summary"]["mean_decode_tok_s"] > 0
         assert r["budget_s"] == 3000 and r["summary"]["truncated"] is False
         assert r["summary"]["planned"] == r["summary"]["requests"] == 1 + 17
+        d = r["decode_bench"]  # a real measure_decode against the CPU server
+        assert d["bs1_rated"] == 2 and d["bs1_decode_tok_s"] > 0 and d["bs4_total_tok_s"] > 0
+        assert d["cut_requests"] == 0 and d["new_tokens"] == 4
+    w1 = ft["decode_bench"]["bs1_decode_counts"]
+    assert w1["reads"] > 0 and w1["hits"] + w1["fills"] + w1["cpu"] == w1["reads"]
     roof = json.loads((out / "roofline.json").read_text())
     assert {row["workload"] for row in roof} == {"W1", "W2"}
     assert all(0 < row["achieved_over_bound"] for row in roof)
