@@ -158,8 +158,8 @@ def roofline_markdown(rows: List[dict]) -> str:
 # Per workload: (summary key, column, higher is better).
 WORKLOAD_METRICS = (
     ("mean_decode_tok_s", "decode tok/s ratio (best baseline)", True),
-    ("mean_ttft_s", "mean TTFT ratio", False),
-    ("worst_ttft_s", "worst TTFT ratio", False),
+    ("mean_ttft_s", "mean TTFT ratio (lower is better)", False),
+    ("worst_ttft_s", "worst TTFT ratio (lower is better)", False),
 )
 # Decode benchmark: (measure_decode key, column, higher is better).
 DECODE_METRICS = (
@@ -244,6 +244,9 @@ def _ratio_cell(c: dict) -> str:
 
 
 def ratios_markdown(rows: List[dict]) -> str:
+    """The ratio table of ``ratios(runs)``: per system and workload, each metric's value over
+    the best baseline's, with that baseline's label (``-`` without one; † where the two ran
+    different numbers of requests)."""
     out = ["| system | workload | " + " | ".join(col for _, col, _ in WORKLOAD_METRICS) + " |",
            "|---|---|" + "---:|" * len(WORKLOAD_METRICS)]
     for r in rows:
