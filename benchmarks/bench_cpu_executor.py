@@ -13,6 +13,12 @@ thread pool:
 Effective bandwidth = bytes of the distinct experts a call reads / its wall time. The pool is
 far larger than the last-level cache and experts are drawn at random, so weights come from
 DRAM. Example: ``python benchmarks/bench_cpu_executor.py --pool-gb 1.5 --iters 100``.
+
+``--schedules dynamic,static --busy N`` compares how the executor shares a call's work
+between its threads (chunks from a counter, or one fixed share per thread) on an idle
+machine and with N other processes spinning on the CPU, as in a server, where the
+scheduler's thread spins while it waits for the GPU: every scenario runs under each
+(schedule, load) pair in one run, and a second table gives the ratios to the first schedule.
 """
 
 from __future__ import annotations
@@ -48,8 +54,47 @@ def parse_args():
     )
     p.add_argument("--spin-us", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--schedules", default="dynamic",
+                   help="comma-separated work schedules to compare: dynamic, static")
+    p.add_argument("--busy", type=int, default=0,
+                   help="also measure with this many busy-spinning processes (0: idle only)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
-    return p.parse_args()
+    a = p.parse_args()
+    a.schedules = [x for x in a.schedules.split(",") if x]
+    if not a.schedules or any(x not in ("dynamic", "static") for x in a.schedules):
+        p.error("--schedules takes dynamic and/or static")
+    if a.busy < 0:
+        p.error("--busy must be >= 0")
+    return a
+
+
+def _spin():
+    while True:
+        pass
+
+
+class BusyProcesses:
+    """``n`` processes that spin on the CPU while the block runs (another busy thread on a
+    worker's core, as a server's scheduler thread waiting on the GPU is)."""
+
+    def __init__(self, n: int):
+        self.n, self.procs = n, []
+
+    def __enter__(self):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork")
+        self.procs = [ctx.Process(target=_spin, daemon=True) for _ in range(self.n)]
+        for proc in self.procs:
+            proc.start()
+        time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc):
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.join()
 
 
 def build_pool(args):
@@ -171,27 +216,35 @@ def main():
         stream_gbs = statistics.median(stream)
         results["stream_gbs"] = stream_gbs
         results["stream_passes_gbs"] = stream
-        for scenario in ("decode m=1", "decode m=3", "decode m=2-8", "batch4 m=2-8"):
-            calls = make_calls(gen, scenario, args.iters, n_experts)
-            time_scenario(
-                ex, calls[: max(3, args.iters // 10)], args.hidden, expert_bytes, gen, True
-            )
-            b, s, per_call = time_scenario(ex, calls, args.hidden, expert_bytes, gen, True)
-            b2, s2, _ = time_scenario(ex, calls, args.hidden, expert_bytes, gen, False)
-            results["scenarios"].append(
-                {
-                    "name": scenario,
-                    "calls": len(calls),
-                    "mib_per_call": b / len(calls) / MIB,
-                    "median_us": statistics.median(us for us, _ in per_call),
-                    "task_gbs": b / s / 1e9,
-                    "task_median_call_gbs": statistics.median(g for _, g in per_call),
-                    "run_gbs": b2 / s2 / 1e9,
-                    "ratio_vs_stream": b / s / 1e9 / stream_gbs,
-                    "median_call_ratio_vs_stream": statistics.median(g for _, g in per_call)
-                    / stream_gbs,
-                }
-            )
+        scenarios = ("decode m=1", "decode m=3", "decode m=2-8", "batch4 m=2-8")
+        # The same calls under every (load, schedule), so that the ratios compare like with like.
+        all_calls = {sc: make_calls(gen, sc, args.iters, n_experts) for sc in scenarios}
+        for busy in ([0, args.busy] if args.busy else [0]):
+            with BusyProcesses(busy):
+                for schedule in args.schedules:
+                    ex.set_schedule(schedule)
+                    for scenario in scenarios:
+                        calls = all_calls[scenario]
+                        time_scenario(ex, calls[: max(3, args.iters // 10)], args.hidden,
+                                      expert_bytes, gen, True)
+                        b, s, per_call = time_scenario(ex, calls, args.hidden, expert_bytes,
+                                                       gen, True)
+                        b2, s2, _ = time_scenario(ex, calls, args.hidden, expert_bytes, gen,
+                                                  False)
+                        results["scenarios"].append({
+                            "name": scenario,
+                            "schedule": schedule,
+                            "busy": busy,
+                            "calls": len(calls),
+                            "mib_per_call": b / len(calls) / MIB,
+                            "median_us": statistics.median(us for us, _ in per_call),
+                            "task_gbs": b / s / 1e9,
+                            "task_median_call_gbs": statistics.median(g for _, g in per_call),
+                            "run_gbs": b2 / s2 / 1e9,
+                            "ratio_vs_stream": b / s / 1e9 / stream_gbs,
+                            "median_call_ratio_vs_stream":
+                                statistics.median(g for _, g in per_call) / stream_gbs,
+                        })
 
     m, p = results["machine"], results["pool"]
     print(
@@ -205,14 +258,14 @@ def main():
     )
     print(f"stream read (whole pool, {args.stream_passes} passes, median): {stream_gbs:.2f} GB/s\n")
     head = (
-        f"{'scenario':<14} {'calls':>5} {'MiB/call':>9} {'median us':>10} {'task GB/s':>10} "
+        f"{'scenario':<14} {'schedule':>8} {'busy':>4} {'calls':>5} {'MiB/call':>9} {'median us':>10} {'task GB/s':>10} "
         f"{'median-call GB/s':>17} {'run() GB/s':>11} {'task/stream':>12} {'median/stream':>14}"
     )
     print(head)
     print("-" * len(head))
     for r in results["scenarios"]:
         print(
-            f"{r['name']:<14} {r['calls']:>5} {r['mib_per_call']:>9.1f} {r['median_us']:>10.0f} "
+            f"{r['name']:<14} {r['schedule']:>8} {r['busy']:>4} {r['calls']:>5} {r['mib_per_call']:>9.1f} {r['median_us']:>10.0f} "
             f"{r['task_gbs']:>10.2f} {r['task_median_call_gbs']:>17.2f} {r['run_gbs']:>11.2f} "
             f"{100 * r['ratio_vs_stream']:>11.0f}% {100 * r['median_call_ratio_vs_stream']:>13.0f}%"
         )
@@ -221,6 +274,17 @@ def main():
         "callback path);\nmedian-call GB/s: the median call's bytes / time; run() GB/s: the same "
         "calls through CpuExpertExecutor.run."
     )
+    if len(args.schedules) > 1:
+        first = args.schedules[0]
+        base = {(r["name"], r["busy"]): r["task_gbs"] for r in results["scenarios"]
+                if r["schedule"] == first}
+        print(f"\ntask GB/s relative to {first}, same scenario and load:")
+        print(f"{'scenario':<14} {'busy':>4} " + " ".join(f"{x:>9}" for x in args.schedules))
+        for (name, busy), g0 in base.items():
+            cells = [next(r["task_gbs"] for r in results["scenarios"] if r["name"] == name
+                          and r["busy"] == busy and r["schedule"] == x) / g0
+                     for x in args.schedules]
+            print(f"{name:<14} {busy:>4} " + " ".join(f"{c:>9.3f}" for c in cells))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

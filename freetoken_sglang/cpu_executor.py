@@ -247,6 +247,7 @@ class CpuExpertExecutor:
         if rc != _lib.FT_OK:
             raise RuntimeError(f"could not start the CPU expert executor: {_strerror(rc)}")
         self._ex = out[0]
+        self._schedule = "dynamic"
 
     # ---- capabilities ---------------------------------------------------------------------
     @staticmethod
@@ -286,6 +287,28 @@ class CpuExpertExecutor:
         rc = _lib.ft_executor_set_isa(self._ex, code)
         if rc != _lib.FT_OK:
             raise IsaNotSupportedError(f"set_isa({isa!r}) failed: {_strerror(rc)}")
+
+    @property
+    def schedule(self) -> str:
+        """How a call's work is shared between the threads: ``"dynamic"`` (the default:
+        chunks from a shared counter, so a thread slowed by another busy thread on its core
+        does less) or ``"static"`` (one fixed share per thread; for comparison)."""
+        self._require_open()
+        return self._schedule
+
+    def set_schedule(self, schedule: str) -> None:
+        """Choose ``"dynamic"`` or ``"static"`` for later calls.
+
+        Raises:
+            ValueError: another name.
+        """
+        self._require_open()
+        if schedule not in ("dynamic", "static"):
+            raise ValueError(f"schedule must be 'dynamic' or 'static', not {schedule!r}")
+        rc = _lib.ft_executor_set_schedule(self._ex, 1 if schedule == "dynamic" else 0)
+        if rc != _lib.FT_OK:
+            raise RuntimeError(f"set_schedule({schedule!r}) failed: {_strerror(rc)}")
+        self._schedule = schedule
 
     @property
     def num_threads(self) -> int:

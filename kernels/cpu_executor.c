@@ -3,13 +3,18 @@
  * Layout of the work of one call:
  *   caller:  validate items, group them by expert (sorted by flat id), convert the rows of x
  *            they use into the kernel's activation format when x is not already in it;
- *   phase 1: every compute thread takes a contiguous share of all (expert, j) gate/up row
- *            pairs and writes act(gate_j · x + bg) * (up_j · x + bu) for each token of that
- *            expert into the intermediate buffer;
+ *   phase 1: the compute threads take chunks of all (expert, j) gate/up row pairs and
+ *            write act(gate_j · x + bg) * (up_j · x + bu) for each token of that expert
+ *            into the intermediate buffer;
  *   barrier;
- *   phase 2: every compute thread takes a contiguous share of the H output rows and, for
- *            every expert, adds weight * (w2[h] · inter + b2[h]) into out[row, h]. Output
- *            rows are owned by one thread, so nothing is written twice.
+ *   phase 2: the compute threads take chunks of the H output rows and, for every expert,
+ *            add weight * (w2[h] · inter + b2[h]) into out[row, h]. An output row belongs
+ *            to one chunk, so nothing is written twice.
+ * Chunks are handed out from an atomic counter (about four per thread), so a thread that
+ * shares its core with another busy thread (in a server: the scheduler's thread waiting on
+ * the GPU, the CUDA callback thread) does less of the work instead of holding up the call;
+ * ft_executor_set_schedule(ex, 0) gives each thread one fixed contiguous share instead
+ * (for comparison).
  *   barrier (the caller returns after it).
  * Each weight byte is read once per call. The intermediate buffer [items, I] is shared: in
  * phase 1 each thread writes its own slice, in phase 2 every thread reads all of it. The
@@ -632,6 +637,9 @@ struct ft_executor {
     const ft_moe_task *task;
     int n_groups;
     int64_t n_units;
+    int dynamic;                /* chunks from the counters below (1) or fixed shares (0) */
+    alignas(FT_ALIGN) _Atomic int64_t next1; /* next phase-1 unit to hand out */
+    alignas(FT_ALIGN) _Atomic int64_t next2; /* next phase-2 output block to hand out */
     const uint8_t *stream_buf;
     size_t stream_bytes;
     ft_padded_u64 *stream_sums; /* [nthreads] */
@@ -794,9 +802,8 @@ static void phase1_group(const ft_executor *ex, const ft_group *g, int64_t j0, i
     }
 }
 
-static void phase1(ft_executor *ex, int tid) {
-    int64_t ub, ue;
-    split_range(ex->n_units, ex->nthreads, tid, &ub, &ue);
+/* Phase-1 units [ub, ue) of the flattened (group, 16-row block) space. */
+static void phase1_units(ft_executor *ex, int64_t ub, int64_t ue) {
     const int64_t I = ex->pool.inter;
     for (int gi = 0; gi < ex->n_groups && ub < ue; gi++) {
         const ft_group *g = &ex->groups[gi];
@@ -810,15 +817,30 @@ static void phase1(ft_executor *ex, int tid) {
     }
 }
 
+/* The chunk size that gives each thread about four chunks of ``total``. */
+static inline int64_t chunk_of(int64_t total, int nthreads) {
+    int64_t c = total / ((int64_t)nthreads * 4);
+    return c > 0 ? c : 1;
+}
+
+static void phase1(ft_executor *ex, int tid) {
+    int64_t ub, ue;
+    if (!ex->dynamic) {
+        split_range(ex->n_units, ex->nthreads, tid, &ub, &ue);
+        phase1_units(ex, ub, ue);
+        return;
+    }
+    const int64_t total = ex->n_units, c = chunk_of(total, ex->nthreads);
+    while ((ub = atomic_fetch_add_explicit(&ex->next1, c, memory_order_relaxed)) < total)
+        phase1_units(ex, ub, ub + c < total ? ub + c : total);
+}
+
 /* Output rows [h0, h1) for every group. */
-static void phase2(ft_executor *ex, int tid) {
+static void phase2_rows(ft_executor *ex, int64_t h0, int64_t h1) {
     const ft_pool_desc *p = &ex->pool;
     const ft_kernel *k = &ex->kern;
     const ft_moe_task *task = ex->task;
     const int H = p->hidden, I = p->inter;
-    int64_t bb, be;
-    split_range((H + FT_OUT_BLOCK - 1) / FT_OUT_BLOCK, ex->nthreads, tid, &bb, &be);
-    int64_t h0 = bb * FT_OUT_BLOCK, h1 = be * FT_OUT_BLOCK < H ? be * FT_OUT_BLOCK : H;
     if (h0 >= h1) return;
     if (task->flags & FT_RUN_ZERO_OUTPUT)
         for (int r = 0; r < task->n_rows; r++)
@@ -853,6 +875,25 @@ static void phase2(ft_executor *ex, int tid) {
             }
         }
     }
+}
+
+/* Output blocks [bb, be) of FT_OUT_BLOCK rows. */
+static void phase2_blocks(ft_executor *ex, int64_t bb, int64_t be) {
+    const int64_t H = ex->pool.hidden;
+    phase2_rows(ex, bb * FT_OUT_BLOCK, be * FT_OUT_BLOCK < H ? be * FT_OUT_BLOCK : H);
+}
+
+static void phase2(ft_executor *ex, int tid) {
+    const int64_t total = (ex->pool.hidden + FT_OUT_BLOCK - 1) / FT_OUT_BLOCK;
+    int64_t bb, be;
+    if (!ex->dynamic) {
+        split_range(total, ex->nthreads, tid, &bb, &be);
+        phase2_blocks(ex, bb, be);
+        return;
+    }
+    const int64_t c = chunk_of(total, ex->nthreads);
+    while ((bb = atomic_fetch_add_explicit(&ex->next2, c, memory_order_relaxed)) < total)
+        phase2_blocks(ex, bb, bb + c < total ? bb + c : total);
 }
 
 static void stream_part(ft_executor *ex, int tid) {
@@ -967,6 +1008,7 @@ int ft_executor_create(const ft_pool_desc *pool, int num_threads, int isa, int s
     ex->isa = chosen;
     ex->kern = select_kernel(chosen, pool->dtype);
     ex->nthreads = num_threads;
+    ex->dynamic = 1;
     ex->spin_us = spin_us < 0 ? FT_DEFAULT_SPIN_US : spin_us;
     pthread_mutex_init(&ex->run_lock, NULL);
     ex->threads = (pthread_t *)calloc((size_t)num_threads, sizeof(pthread_t));
@@ -1032,6 +1074,14 @@ int ft_executor_set_isa(ft_executor *ex, int isa) {
 }
 
 int ft_executor_isa(const ft_executor *ex) { return ex ? ex->isa : FT_ERR_ARG; }
+
+int ft_executor_set_schedule(ft_executor *ex, int dynamic) {
+    if (!ex || (dynamic != 0 && dynamic != 1)) return FT_ERR_ARG;
+    pthread_mutex_lock(&ex->run_lock);
+    ex->dynamic = dynamic;
+    pthread_mutex_unlock(&ex->run_lock);
+    return FT_OK;
+}
 int ft_executor_num_threads(const ft_executor *ex) { return ex ? ex->nthreads : FT_ERR_ARG; }
 int ft_executor_num_pinned(const ft_executor *ex) {
     return ex ? atomic_load(&((ft_executor *)ex)->npinned) : FT_ERR_ARG;
@@ -1195,6 +1245,8 @@ static int run_locked(ft_executor *ex, ft_moe_task *t) {
     ex->n_groups = ng;
     ex->n_units = (int64_t)ng * units_per_group;
     ex->task = t;
+    atomic_store_explicit(&ex->next1, 0, memory_order_relaxed); /* published by dispatch */
+    atomic_store_explicit(&ex->next2, 0, memory_order_relaxed);
     dispatch(ex, JOB_MOE);
     return FT_OK;
 }

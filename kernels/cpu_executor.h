@@ -105,6 +105,10 @@ void ft_executor_destroy(ft_executor *ex);
 int ft_executor_set_isa(ft_executor *ex, int isa);
 /* The kernel path in use (never FT_ISA_AUTO). */
 int ft_executor_isa(const ft_executor *ex);
+/* How later runs share the work between the compute threads: 1 (the default), chunks handed
+ * out from a counter, so a thread slowed by another busy thread on its core does less;
+ * 0, one fixed contiguous share per thread. FT_OK, or FT_ERR_ARG. */
+int ft_executor_set_schedule(ft_executor *ex, int dynamic);
 /* Compute threads, the caller included. */
 int ft_executor_num_threads(const ft_executor *ex);
 /* Workers pinned to their core (every worker has started when create returns). */
