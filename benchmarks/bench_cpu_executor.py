@@ -58,6 +58,10 @@ def parse_args():
                    help="comma-separated work schedules to compare: dynamic, static")
     p.add_argument("--busy", type=int, default=0,
                    help="also measure with this many busy-spinning processes (0: idle only)")
+    p.add_argument("--busy-cpus", default=None,
+                   help="comma-separated CPUs the busy processes are bound to (default: any); "
+                        "worker i of the executor is pinned to the i-th CPU of its ordered "
+                        "list (one per physical core), so e.g. 1 slows one worker")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     a = p.parse_args()
     a.schedules = [x for x in a.schedules.split(",") if x]
@@ -65,10 +69,13 @@ def parse_args():
         p.error("--schedules takes dynamic and/or static")
     if a.busy < 0:
         p.error("--busy must be >= 0")
+    a.busy_cpus = [int(c) for c in a.busy_cpus.split(",")] if a.busy_cpus else None
     return a
 
 
-def _spin():
+def _spin(cpus=None):
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     while True:
         pass
 
@@ -77,14 +84,15 @@ class BusyProcesses:
     """``n`` processes that spin on the CPU while the block runs (another busy thread on a
     worker's core, as a server's scheduler thread waiting on the GPU is)."""
 
-    def __init__(self, n: int):
-        self.n, self.procs = n, []
+    def __init__(self, n: int, cpus=None):
+        self.n, self.cpus, self.procs = n, cpus, []
 
     def __enter__(self):
         import multiprocessing as mp
 
         ctx = mp.get_context("fork")
-        self.procs = [ctx.Process(target=_spin, daemon=True) for _ in range(self.n)]
+        self.procs = [ctx.Process(target=_spin, args=(self.cpus,), daemon=True)
+                      for _ in range(self.n)]
         for proc in self.procs:
             proc.start()
         time.sleep(0.2)
@@ -202,6 +210,7 @@ def main():
         banks, num_threads=args.threads, isa=args.isa, spin_us=args.spin_us
     ) as ex:
         results["threads"] = ex.num_threads
+        results["busy_cpus"] = args.busy_cpus
         results["pinned"] = ex.num_pinned
         results["isa"] = ex.isa
         # STREAM-like reference: whole-pool reads with the same thread pool.
@@ -220,7 +229,7 @@ def main():
         # The same calls under every (load, schedule), so that the ratios compare like with like.
         all_calls = {sc: make_calls(gen, sc, args.iters, n_experts) for sc in scenarios}
         for busy in ([0, args.busy] if args.busy else [0]):
-            with BusyProcesses(busy):
+            with BusyProcesses(busy, args.busy_cpus):
                 for schedule in args.schedules:
                     ex.set_schedule(schedule)
                     for scenario in scenarios:
