@@ -247,7 +247,6 @@ class CpuExpertExecutor:
         if rc != _lib.FT_OK:
             raise RuntimeError(f"could not start the CPU expert executor: {_strerror(rc)}")
         self._ex = out[0]
-        self._schedule = "dynamic"
 
     # ---- capabilities ---------------------------------------------------------------------
     @staticmethod
@@ -294,7 +293,7 @@ class CpuExpertExecutor:
         chunks from a shared counter, so a thread slowed by another busy thread on its core
         does less) or ``"static"`` (one fixed share per thread; for comparison)."""
         self._require_open()
-        return self._schedule
+        return "dynamic" if _lib.ft_executor_schedule(self._ex) == 1 else "static"
 
     def set_schedule(self, schedule: str) -> None:
         """Choose ``"dynamic"`` or ``"static"`` for later calls.
@@ -308,7 +307,6 @@ class CpuExpertExecutor:
         rc = _lib.ft_executor_set_schedule(self._ex, 1 if schedule == "dynamic" else 0)
         if rc != _lib.FT_OK:
             raise RuntimeError(f"set_schedule({schedule!r}) failed: {_strerror(rc)}")
-        self._schedule = schedule
 
     @property
     def num_threads(self) -> int:

@@ -10,12 +10,12 @@
  *   phase 2: the compute threads take chunks of the H output rows and, for every expert,
  *            add weight * (w2[h] · inter + b2[h]) into out[row, h]. An output row belongs
  *            to one chunk, so nothing is written twice.
+ *   barrier (the caller returns after it).
  * Chunks are handed out from an atomic counter (about four per thread), so a thread that
  * shares its core with another busy thread (in a server: the scheduler's thread waiting on
  * the GPU, the CUDA callback thread) does less of the work instead of holding up the call;
  * ft_executor_set_schedule(ex, 0) gives each thread one fixed contiguous share instead
  * (for comparison).
- *   barrier (the caller returns after it).
  * Each weight byte is read once per call. The intermediate buffer [items, I] is shared: in
  * phase 1 each thread writes its own slice, in phase 2 every thread reads all of it. The
  * dot-product micro-kernels take 4 weight rows and up to FT_TMAX token vectors at a time,
@@ -1082,6 +1082,8 @@ int ft_executor_set_schedule(ft_executor *ex, int dynamic) {
     pthread_mutex_unlock(&ex->run_lock);
     return FT_OK;
 }
+
+int ft_executor_schedule(const ft_executor *ex) { return ex ? ex->dynamic : FT_ERR_ARG; }
 int ft_executor_num_threads(const ft_executor *ex) { return ex ? ex->nthreads : FT_ERR_ARG; }
 int ft_executor_num_pinned(const ft_executor *ex) {
     return ex ? atomic_load(&((ft_executor *)ex)->npinned) : FT_ERR_ARG;

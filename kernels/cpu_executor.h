@@ -109,6 +109,8 @@ int ft_executor_isa(const ft_executor *ex);
  * out from a counter, so a thread slowed by another busy thread on its core does less;
  * 0, one fixed contiguous share per thread. FT_OK, or FT_ERR_ARG. */
 int ft_executor_set_schedule(ft_executor *ex, int dynamic);
+/* The schedule in use: 1 dynamic, 0 static. */
+int ft_executor_schedule(const ft_executor *ex);
 /* Compute threads, the caller included. */
 int ft_executor_num_threads(const ft_executor *ex);
 /* Workers pinned to their core (every worker has started when create returns). */

@@ -171,6 +171,7 @@ def test_dynamic_and_static_schedules_agree_bit_for_bit(num_threads):
             assert ex.schedule == "dynamic"
             for schedule in ("dynamic", "static", "dynamic"):
                 ex.set_schedule(schedule)
+                assert ex.schedule == schedule
                 outs.setdefault(schedule, []).append(
                     ex.run(x, rows, experts, weights, torch.zeros(tokens, hidden)))
             with pytest.raises(ValueError, match="'dynamic' or 'static'"):
