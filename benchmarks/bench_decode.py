@@ -26,7 +26,9 @@ from typing import Dict, List, Optional
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from servers import SHAPES, GpuMemorySampler, Server, freetoken_stats, write_shape  # noqa: E402
+import serve_bench  # noqa: E402
+from serve_bench import freetoken_stats  # noqa: E402
+from servers import SHAPES, GpuMemorySampler, Server, write_shape  # noqa: E402
 
 def stream_generate(url: str, input_ids: List[int], new_tokens: int,
                     max_s: Optional[float] = None) -> Dict[str, object]:
@@ -91,11 +93,6 @@ def stream_generate(url: str, input_ids: List[int], new_tokens: int,
             "decode_tok_s": decode, "tokens": n, "cut": cut}
 
 
-def _mean(values) -> Optional[float]:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
-
-
 def measure_decode(url: str, input_len: int, new_tokens: int, repeats: int,
                    seed: int = 0, max_request_s: Optional[float] = None,
                    vocab_size: int = 100000) -> Dict[str, object]:
@@ -125,15 +122,15 @@ def measure_decode(url: str, input_len: int, new_tokens: int, repeats: int,
     before_bs1 = freetoken_stats(url)
     b1 = [stream_generate(url, prompt(), new_tokens, max_request_s) for _ in range(repeats)]
     before_bs4 = freetoken_stats(url)
-    result["bs1_decode_tok_s"] = _mean(r["decode_tok_s"] for r in b1)
+    result["bs1_decode_tok_s"] = serve_bench.mean_of(r["decode_tok_s"] for r in b1)
     result["bs1_rated"] = sum(r["decode_tok_s"] is not None for r in b1)
-    result["bs1_ttft_s"] = _mean(r["ttft_s"] for r in b1)
+    result["bs1_ttft_s"] = serve_bench.mean_of(r["ttft_s"] for r in b1)
     with ThreadPoolExecutor(4) as ex:
         t_b = time.perf_counter()
         b4 = list(ex.map(lambda p: stream_generate(url, p, new_tokens, max_request_s),
                          [prompt() for _ in range(4)]))
         wall = time.perf_counter() - t_b
-    result["bs4_decode_tok_s_per_req"] = _mean(r["decode_tok_s"] for r in b4)
+    result["bs4_decode_tok_s_per_req"] = serve_bench.mean_of(r["decode_tok_s"] for r in b4)
     result["bs4_total_tok_s"] = sum(r["tokens"] for r in b4) / wall
     result["cut_requests"] = sum(r["cut"] for r in b1 + b4)
     after = freetoken_stats(url)
@@ -209,8 +206,8 @@ def table(results: List[Dict[str, object]]) -> str:
     share = lambda w: w["cpu"] / w["reads"] if w.get("reads") else None
     for r in results:
         if r.get("error"):
-            err = " ".join(str(r["error"]).split()).replace("|", "\\|")[:120]
-            lines.append(f"| {r['label']} | failed: {err} |" + " - |" * (len(cols) + 7))
+            lines.append(f"| {r['label']} | failed: {serve_bench.cell_text(r['error'], 120)} |"
+                         + " - |" * (len(cols) + 7))
             continue
         w1, w4 = r.get("bs1_decode_counts") or {}, r.get("bs4_decode_counts") or {}
         lines.append(

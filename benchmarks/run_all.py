@@ -289,7 +289,7 @@ def decode_markdown(runs: Sequence[dict]) -> str:
             continue
         rr = next(ratio_rows)
         if d.get("error"):
-            out.append(f"| {r['label']} | failed: {_cell_text(d['error'], 120)} |"
+            out.append(f"| {r['label']} | failed: {serve_bench.cell_text(d['error'], 120)} |"
                        + " - |" * (len(cols) - 1))
             continue
         w1, w4 = d.get("bs1_decode_counts") or {}, d.get("bs4_decode_counts") or {}
@@ -300,12 +300,6 @@ def decode_markdown(runs: Sequence[dict]) -> str:
             f"| {fmt(share(w4))} | "
             + " | ".join(_ratio_cell(rr[k]) for k, _, _ in DECODE_METRICS) + " |")
     return "\n".join(out)
-
-
-def _cell_text(text: str, n: int = 300) -> str:
-    """One markdown table cell: one line, no pipes, at most ``n`` characters."""
-    t = " ".join(str(text).split()).replace("|", "\\|")
-    return t if len(t) <= n else t[: n - 1] + "…"
 
 
 # ---------------------------------------------------------------------------------------
@@ -427,11 +421,11 @@ def write_outputs(runs: List[dict], errors: List[dict], out_dir: str) -> str:
     if errors:
         ran = {r["label"] for r in runs}
         note = lambda e: (" (ran in another call: see its rows)" if e.get("label") in ran else "")
+        rows = [f"| {e.get('label')}{note(e)} | {serve_bench.cell_text(e.get('error', ''))} |"
+                for e in errors]
         parts.append("Failed systems (no numbers):\n\n| system | error |\n|---|---|\n"
-                     + "\n".join(f"| {e.get('label')}{note(e)} | {_cell_text(e.get('error', ''))} |"
-                                 for e in errors))
-    appended = sorted({r["appended_from"] for r in runs if r.get("appended_from")})
-    if appended:
+                     + "\n".join(rows))
+    if any(r.get("appended_from") for r in runs):
         parts.append("Runs of other calls (`--append`), same settings, possibly another machine "
                      "start: " + ", ".join(f"{r['label']} ({r['appended_from']})"
                                            for r in runs if r.get("appended_from")))

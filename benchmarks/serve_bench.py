@@ -275,7 +275,8 @@ def run_session(client, model: str, requests_: Sequence[wl.Request], tokenizer=N
     return records
 
 
-def _mean(xs):
+def mean_of(xs) -> Optional[float]:
+    """The mean of the values that are not None (None when there is none)."""
     xs = [x for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None
 
@@ -295,10 +296,10 @@ def summarize(records: Sequence[dict]) -> dict:
     out = {
         "requests": len(records),
         "errors": len(records) - len(ok),
-        "mean_ttft_s": _mean(ttfts),
+        "mean_ttft_s": mean_of(ttfts),
         "worst_ttft_s": max(ttfts) if ttfts else None,
-        "mean_decode_tok_s": _mean(r.get("decode_tok_s") for r in ok),
-        "mean_tpot_ms": _mean(r.get("tpot_ms") for r in ok),
+        "mean_decode_tok_s": mean_of(r.get("decode_tok_s") for r in ok),
+        "mean_tpot_ms": mean_of(r.get("tpot_ms") for r in ok),
     }
     for k in ("prompt_tokens", "cached_tokens", "prefill_tokens", "completion_tokens"):
         out[k] = _sum(r.get(k) for r in ok)
@@ -402,6 +403,12 @@ def _f(x, nd=2):
     if isinstance(x, float):
         return f"{x:.{nd}f}"
     return str(x)
+
+
+def cell_text(text: str, n: int = 300) -> str:
+    """One markdown table cell: one line, no pipes, at most ``n`` characters."""
+    t = " ".join(str(text).split()).replace("|", "\\|")
+    return t if len(t) <= n else t[: n - 1] + "…"
 
 
 def _requests_cell(s: dict) -> str:

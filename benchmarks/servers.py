@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import requests
 
@@ -210,11 +210,3 @@ def run_expecting_failure(model_path: str, flags: List[str], cpu: bool = False,
            "--port", str(free_port()), *(CPU_FLAGS if cpu else []), *flags]
     return subprocess.run(cmd, env=cpu_env() if cpu else None, capture_output=True,
                           text=True, timeout=timeout)
-
-
-def freetoken_stats(url: str) -> Optional[Dict[str, object]]:
-    try:
-        r = requests.get(url + "/freetoken/stats", timeout=30)
-        return r.json() if r.status_code == 200 else None
-    except requests.RequestException:
-        return None
