@@ -6,16 +6,17 @@
  *   phase 1: the compute threads take chunks of all (expert, j) gate/up row pairs and
  *            write act(gate_j · x + bg) * (up_j · x + bu) for each token of that expert
  *            into the intermediate buffer;
- *   barrier;
- *   phase 2: the compute threads take chunks of the H output rows and, for every expert,
- *            add weight * (w2[h] · inter + b2[h]) into out[row, h]. An output row belongs
- *            to one chunk, so nothing is written twice.
- *   barrier (the caller returns after it).
- * Chunks are handed out from an atomic counter (about four per thread), so a thread that
- * shares its core with another busy thread (in a server: the scheduler's thread waiting on
- * the GPU, the CUDA callback thread) does less of the work instead of holding up the call;
- * ft_executor_set_schedule(ex, 0) gives each thread one fixed contiguous share instead
- * (for comparison).
+ *   phase 2: once every phase-1 chunk is done, the compute threads take chunks of the H
+ *            output rows and, for every expert, add weight * (w2[h] · inter + b2[h]) into
+ *            out[row, h]. An output row belongs to one chunk, so nothing is written twice.
+ *   The caller returns once every phase-2 chunk is done.
+ * Chunks are handed out from counters tagged with the call's number (about four chunks per
+ * thread), and completion is counted in chunks, not in threads: a thread that shares its
+ * core with another busy thread (in a server: the scheduler's thread waiting on the GPU,
+ * the CUDA callback thread), or that is still asleep, does less of the work or none of it,
+ * instead of holding up the call at a barrier. A thread that wakes after the call is over
+ * finds the tag changed and touches nothing. ft_executor_set_schedule(ex, 0) gives each
+ * thread one fixed contiguous share, with barriers, instead (for comparison).
  * Each weight byte is read once per call. The intermediate buffer [items, I] is shared: in
  * phase 1 each thread writes its own slice, in phase 2 every thread reads all of it. The
  * dot-product micro-kernels take 4 weight rows and up to FT_TMAX token vectors at a time,
@@ -598,7 +599,7 @@ int ft_physical_cores(void) {
 /* Executor state                                                                       */
 /* ------------------------------------------------------------------------------------ */
 
-enum { JOB_MOE = 1, JOB_STREAM = 2, JOB_EXIT = 3 };
+enum { JOB_MOE = 1, JOB_STREAM = 2, JOB_EXIT = 3, JOB_MOE_DYNAMIC = 4 };
 
 typedef struct {
     int32_t expert;      /* flat expert id */
@@ -633,13 +634,24 @@ struct ft_executor {
     _Atomic int nstarted;       /* workers past their pinning step */
 
     /* the current job, written by the caller before bumping gen */
-    alignas(FT_ALIGN) int job;
+    alignas(FT_ALIGN) _Atomic int job;
     const ft_moe_task *task;
     int n_groups;
     int64_t n_units;
     int dynamic;                /* chunks from the counters below (1) or fixed shares (0) */
-    alignas(FT_ALIGN) _Atomic int64_t next1; /* next phase-1 unit to hand out */
-    alignas(FT_ALIGN) _Atomic int64_t next2; /* next phase-2 output block to hand out */
+    /* Dynamic schedule: each counter holds (call number << 32) | value, so that a thread
+     * still looking at a finished call fails its claim instead of taking the next call's
+     * work. next*: the next phase-1 unit / phase-2 output block to hand out; done*: the
+     * units / blocks finished. */
+    uint32_t call_seq;          /* the caller's count of dynamic calls */
+    _Atomic uint32_t call;      /* number of the current dynamic call, published last */
+    _Atomic int64_t total1[2];  /* phase-1 units of call c, in slot c & 1: a thread still
+                                 * looking at call c - 1 reads its own total, and the slot
+                                 * of c + 1 is written only once call c's counters are gone */
+    alignas(FT_ALIGN) _Atomic uint64_t next1;
+    alignas(FT_ALIGN) _Atomic uint64_t done1;
+    alignas(FT_ALIGN) _Atomic uint64_t next2;
+    alignas(FT_ALIGN) _Atomic uint64_t done2;
     const uint8_t *stream_buf;
     size_t stream_bytes;
     ft_padded_u64 *stream_sums; /* [nthreads] */
@@ -823,16 +835,10 @@ static inline int64_t chunk_of(int64_t total, int nthreads) {
     return c > 0 ? c : 1;
 }
 
-static void phase1(ft_executor *ex, int tid) {
+static void phase1_static(ft_executor *ex, int tid) {
     int64_t ub, ue;
-    if (!ex->dynamic) {
-        split_range(ex->n_units, ex->nthreads, tid, &ub, &ue);
-        phase1_units(ex, ub, ue);
-        return;
-    }
-    const int64_t total = ex->n_units, c = chunk_of(total, ex->nthreads);
-    while ((ub = atomic_fetch_add_explicit(&ex->next1, c, memory_order_relaxed)) < total)
-        phase1_units(ex, ub, ub + c < total ? ub + c : total);
+    split_range(ex->n_units, ex->nthreads, tid, &ub, &ue);
+    phase1_units(ex, ub, ue);
 }
 
 /* Output rows [h0, h1) for every group. */
@@ -883,17 +889,70 @@ static void phase2_blocks(ft_executor *ex, int64_t bb, int64_t be) {
     phase2_rows(ex, bb * FT_OUT_BLOCK, be * FT_OUT_BLOCK < H ? be * FT_OUT_BLOCK : H);
 }
 
-static void phase2(ft_executor *ex, int tid) {
+static void phase2_static(ft_executor *ex, int tid) {
     const int64_t total = (ex->pool.hidden + FT_OUT_BLOCK - 1) / FT_OUT_BLOCK;
     int64_t bb, be;
-    if (!ex->dynamic) {
-        split_range(total, ex->nthreads, tid, &bb, &be);
-        phase2_blocks(ex, bb, be);
-        return;
+    split_range(total, ex->nthreads, tid, &bb, &be);
+    phase2_blocks(ex, bb, be);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Dynamic schedule: tagged chunk counters, completion counted in chunks                */
+/* ------------------------------------------------------------------------------------ */
+
+static inline uint64_t tagged(uint32_t call, int64_t v) {
+    return ((uint64_t)call << 32) | (uint64_t)v;
+}
+
+/* Claim up to c units of [0, total) of call `call` from *next: returns the first unit, or
+ * -1 when none is left or the call is over. */
+static int64_t claim(_Atomic uint64_t *next, uint32_t call, int64_t total, int64_t c) {
+    uint64_t v = atomic_load_explicit(next, memory_order_acquire);
+    for (;;) {
+        if ((uint32_t)(v >> 32) != call) return -1;
+        int64_t u = (int64_t)(v & 0xffffffffu);
+        if (u >= total) return -1;
+        int64_t n = u + c < total ? u + c : total;
+        if (atomic_compare_exchange_weak_explicit(next, &v, tagged(call, n),
+                                                  memory_order_acq_rel, memory_order_acquire))
+            return u;
     }
-    const int64_t c = chunk_of(total, ex->nthreads);
-    while ((bb = atomic_fetch_add_explicit(&ex->next2, c, memory_order_relaxed)) < total)
-        phase2_blocks(ex, bb, bb + c < total ? bb + c : total);
+}
+
+/* Wait until *done reads tagged(call, total): returns 1, or 0 if the call is over (the
+ * tag changed: this thread woke late and the call finished without it). */
+static int wait_done(_Atomic uint64_t *done, uint32_t call, int64_t total) {
+    const uint64_t want = tagged(call, total);
+    for (unsigned it = 1;; it++) {
+        uint64_t v = atomic_load_explicit(done, memory_order_acquire);
+        if (v == want) return 1;
+        if ((uint32_t)(v >> 32) != call) return 0;
+        cpu_relax();
+        if ((it & 1023) == 0) sched_yield();
+    }
+}
+
+/* One thread's part of a dynamic call: phase-1 chunks, then (when all are done) phase-2
+ * chunks. The caller (wait_all) also waits for the last phase-2 chunk. */
+static void run_dynamic(ft_executor *ex, int wait_all) {
+    const uint32_t call = atomic_load_explicit(&ex->call, memory_order_acquire);
+    const int64_t total1 = atomic_load_explicit(&ex->total1[call & 1], memory_order_relaxed);
+    const int64_t c1 = chunk_of(total1, ex->nthreads);
+    int64_t u;
+    while ((u = claim(&ex->next1, call, total1, c1)) >= 0) {
+        int64_t e = u + c1 < total1 ? u + c1 : total1;
+        phase1_units(ex, u, e);
+        atomic_fetch_add_explicit(&ex->done1, (uint64_t)(e - u), memory_order_acq_rel);
+    }
+    if (!wait_done(&ex->done1, call, total1)) return;
+    const int64_t total2 = (ex->pool.hidden + FT_OUT_BLOCK - 1) / FT_OUT_BLOCK;
+    const int64_t c2 = chunk_of(total2, ex->nthreads);
+    while ((u = claim(&ex->next2, call, total2, c2)) >= 0) {
+        int64_t e = u + c2 < total2 ? u + c2 : total2;
+        phase2_blocks(ex, u, e);
+        atomic_fetch_add_explicit(&ex->done2, (uint64_t)(e - u), memory_order_acq_rel);
+    }
+    if (wait_all) wait_done(&ex->done2, call, total2);
 }
 
 static void stream_part(ft_executor *ex, int tid) {
@@ -907,10 +966,14 @@ static void stream_part(ft_executor *ex, int tid) {
 
 /* The share of thread tid of the current job; every thread ends at the final barrier. */
 static void do_job(ft_executor *ex, int tid) {
+    if (ex->job == JOB_MOE_DYNAMIC) {
+        run_dynamic(ex, tid == 0);
+        return;
+    }
     if (ex->job == JOB_MOE) {
-        phase1(ex, tid);
+        phase1_static(ex, tid);
         barrier(ex);
-        phase2(ex, tid);
+        phase2_static(ex, tid);
     } else {
         stream_part(ex, tid);
     }
@@ -1247,9 +1310,20 @@ static int run_locked(ft_executor *ex, ft_moe_task *t) {
     ex->n_groups = ng;
     ex->n_units = (int64_t)ng * units_per_group;
     ex->task = t;
-    atomic_store_explicit(&ex->next1, 0, memory_order_relaxed); /* published by dispatch */
-    atomic_store_explicit(&ex->next2, 0, memory_order_relaxed);
-    dispatch(ex, JOB_MOE);
+    if (!ex->dynamic || ex->n_units >= INT32_MAX) { /* the tagged counters hold 32 bits */
+        dispatch(ex, JOB_MOE);
+        return FT_OK;
+    }
+    /* Every chunk of the previous dynamic call is done, so no thread holds one; a thread
+     * still inside run_dynamic for it sees the new tag and leaves. */
+    uint32_t call = ++ex->call_seq;
+    atomic_store_explicit(&ex->total1[call & 1], ex->n_units, memory_order_relaxed);
+    atomic_store_explicit(&ex->done1, tagged(call, 0), memory_order_relaxed);
+    atomic_store_explicit(&ex->next2, tagged(call, 0), memory_order_relaxed);
+    atomic_store_explicit(&ex->done2, tagged(call, 0), memory_order_relaxed);
+    atomic_store_explicit(&ex->next1, tagged(call, 0), memory_order_release);
+    atomic_store_explicit(&ex->call, call, memory_order_release);
+    dispatch(ex, JOB_MOE_DYNAMIC); /* the gen bump wakes the workers that sleep */
     return FT_OK;
 }
 

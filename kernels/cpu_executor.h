@@ -106,8 +106,9 @@ int ft_executor_set_isa(ft_executor *ex, int isa);
 /* The kernel path in use (never FT_ISA_AUTO). */
 int ft_executor_isa(const ft_executor *ex);
 /* How later runs share the work between the compute threads: 1 (the default), chunks handed
- * out from a counter, so a thread slowed by another busy thread on its core does less;
- * 0, one fixed contiguous share per thread. FT_OK, or FT_ERR_ARG. */
+ * out from a counter and completion counted in chunks, so a thread slowed by another busy
+ * thread on its core, or still asleep, does less or none and the call does not wait for it;
+ * 0, one fixed contiguous share per thread, with barriers. FT_OK, or FT_ERR_ARG. */
 int ft_executor_set_schedule(ft_executor *ex, int dynamic);
 /* The schedule in use: 1 dynamic, 0 static. */
 int ft_executor_schedule(const ft_executor *ex);

@@ -182,6 +182,34 @@ def test_dynamic_and_static_schedules_agree_bit_for_bit(num_threads):
         assert err < 1e-2, (hidden, inter, tokens, topk, err)
 
 
+def test_dynamic_calls_do_not_wait_for_late_threads_and_stay_exact():
+    """Back-to-back calls on more threads than cores (this machine has two), with workers
+    that sleep as soon as they are idle (spin_us=0): a call ends when its chunks are done,
+    so a worker that wakes late joins a later call or none. Hundreds of calls of varying
+    sizes, mixed with static-schedule calls and stream reads (barrier jobs), must each give
+    exactly the single-thread result."""
+    gen = torch.Generator().manual_seed(77)
+    hidden, inter, layers, epl = 96, 80, 2, 8
+    banks = make_banks(gen, layers * epl, hidden, inter, torch.bfloat16, bias=True)
+    calls = []
+    for i in range(60):
+        tokens = 1 + i % 5
+        topk = 1 + i % 3
+        x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+        calls.append((x, *route(gen, tokens, topk, layers, epl)))
+    with CpuExpertExecutor(banks, num_threads=1) as one:
+        expected = [one.run(x, r, e, w, torch.zeros(x.shape[0], hidden)) for x, r, e, w in calls]
+    buf = torch.arange(4096, dtype=torch.uint8)
+    with CpuExpertExecutor(banks, num_threads=6, spin_us=0) as ex:
+        for rep in range(5):
+            for i, (x, r, e, w) in enumerate(calls):
+                ex.set_schedule("static" if (i + rep) % 7 == 0 else "dynamic")
+                out = ex.run(x, r, e, w, torch.zeros(x.shape[0], hidden))
+                assert torch.equal(out, expected[i]), (rep, i)
+                if i % 11 == 0:
+                    assert ex.stream_read(buf) == ex.stream_read(buf)
+
+
 def test_accumulates_into_out():
     gen = torch.Generator().manual_seed(1)
     banks = make_banks(gen, 6, 48, 40, torch.float32, bias=True)
