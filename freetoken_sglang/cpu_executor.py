@@ -308,6 +308,21 @@ class CpuExpertExecutor:
         if rc != _lib.FT_OK:
             raise RuntimeError(f"set_schedule({schedule!r}) failed: {_strerror(rc)}")
 
+    def stall_worker(self, tid: int, stall_us: int) -> None:
+        """For tests: worker ``tid`` (1 .. ``num_threads - 1``) sleeps ``stall_us``
+        microseconds once, right after it next sees a call and before it starts it, as a
+        descheduled worker would (``ft_executor_stall_worker``).
+
+        Raises:
+            ValueError: ``tid`` is not a worker, or ``stall_us`` < 0.
+        """
+        self._require_open()
+        if _lib.ft_executor_stall_worker(self._ex, tid, stall_us) != _lib.FT_OK:
+            raise ValueError(
+                f"stall_worker needs a worker id in 1..{self.num_threads - 1} and "
+                f"stall_us >= 0, got {tid}, {stall_us}"
+            )
+
     @property
     def num_threads(self) -> int:
         """Compute threads, the calling thread included."""

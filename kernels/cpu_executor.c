@@ -599,7 +599,9 @@ int ft_physical_cores(void) {
 /* Executor state                                                                       */
 /* ------------------------------------------------------------------------------------ */
 
+/* Jobs, carried in the low bits of the dispatch word gen (JOB_MASK). */
 enum { JOB_MOE = 1, JOB_STREAM = 2, JOB_EXIT = 3, JOB_MOE_DYNAMIC = 4 };
+#define JOB_MASK 7u
 
 typedef struct {
     int32_t expert;      /* flat expert id */
@@ -624,17 +626,18 @@ struct ft_executor {
     int *thread_cpu;          /* [nthreads - 1], -1 when not pinned */
     pthread_mutex_t run_lock;
 
-    /* dispatch: the caller bumps gen; workers wait for it to change */
+    /* dispatch: the caller publishes a job in gen; workers wait for it to change */
     alignas(FT_ALIGN) _Atomic uint32_t gen;
     _Atomic int gen_waiters;
     alignas(FT_ALIGN) _Atomic uint32_t bar_gen;
     _Atomic int bar_count;
     _Atomic int bar_waiters;
+    _Atomic int stall_tid;      /* ft_executor_stall_worker: who sleeps, and how long */
+    _Atomic int stall_us;
     alignas(FT_ALIGN) _Atomic int npinned;
     _Atomic int nstarted;       /* workers past their pinning step */
 
-    /* the current job, written by the caller before bumping gen */
-    alignas(FT_ALIGN) _Atomic int job;
+    /* the current call, written by the caller before publishing it */
     const ft_moe_task *task;
     int n_groups;
     int64_t n_units;
@@ -964,13 +967,15 @@ static void stream_part(ft_executor *ex, int tid) {
     ex->stream_sums[tid].value = b < e ? read_reduce(ex->isa, ex->stream_buf + b, e - b) : 0;
 }
 
-/* The share of thread tid of the current job; every thread ends at the final barrier. */
-static void do_job(ft_executor *ex, int tid) {
-    if (ex->job == JOB_MOE_DYNAMIC) {
+/* The share of thread tid of a job: a dynamic call's chunks (the caller, tid 0, also waits
+ * for the last one), or a static call's or stream read's fixed share, which every thread
+ * ends at the final barrier. */
+static void do_job(ft_executor *ex, int tid, int job) {
+    if (job == JOB_MOE_DYNAMIC) {
         run_dynamic(ex, tid == 0);
         return;
     }
-    if (ex->job == JOB_MOE) {
+    if (job == JOB_MOE) {
         phase1_static(ex, tid);
         barrier(ex);
         phase2_static(ex, tid);
@@ -1002,16 +1007,31 @@ static void *worker_main(void *arg_) {
     for (;;) {
         wait_change(&ex->gen, seen, &ex->gen_waiters, ex->spin_us);
         seen = atomic_load_explicit(&ex->gen, memory_order_acquire);
-        if (ex->job == JOB_EXIT) return NULL;
-        do_job(ex, arg.tid);
+        /* The job travels in gen's low bits, so that the job a worker runs is the one of
+         * the gen it saw: a late worker (a dynamic call ends without it) must not read a
+         * newer job and then, seeing gen changed once more, run that job twice. */
+        int job = (int)(seen & JOB_MASK);
+        if (atomic_load_explicit(&ex->stall_tid, memory_order_relaxed) == arg.tid) {
+            int us = atomic_exchange(&ex->stall_us, 0);
+            if (us > 0) usleep((useconds_t)us);
+        }
+        if (job == JOB_EXIT) return NULL;
+        do_job(ex, arg.tid, job);
     }
 }
 
-/* Caller side: publish the job, do thread 0's share, return after the final barrier. */
+/* Caller side: make gen the next multiple of JOB_MASK + 1 plus the job, wake sleepers. */
+static void publish(ft_executor *ex, int job) {
+    uint32_t g = atomic_load_explicit(&ex->gen, memory_order_relaxed);
+    /* seq_cst, so that the store is visible before gen_waiters is read (no lost wake-up) */
+    atomic_store(&ex->gen, ((g & ~JOB_MASK) + JOB_MASK + 1u) | (uint32_t)job);
+    if (atomic_load(&ex->gen_waiters) > 0) futex_wake_all(&ex->gen);
+}
+
+/* Caller side: publish the job and do thread 0's share; returns when the job is done. */
 static void dispatch(ft_executor *ex, int job) {
-    ex->job = job;
-    if (ex->nthreads > 1) bump_and_wake(&ex->gen, &ex->gen_waiters);
-    if (job != JOB_EXIT) do_job(ex, 0);
+    if (ex->nthreads > 1) publish(ex, job);
+    if (job != JOB_EXIT) do_job(ex, 0, job);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -1020,8 +1040,7 @@ static void dispatch(ft_executor *ex, int job) {
 
 static void stop_workers(ft_executor *ex, int started) {
     if (started > 0) {
-        ex->job = JOB_EXIT;
-        bump_and_wake(&ex->gen, &ex->gen_waiters);
+        publish(ex, JOB_EXIT);
         for (int i = 0; i < started; i++) pthread_join(ex->threads[i], NULL);
     }
 }
@@ -1143,6 +1162,13 @@ int ft_executor_set_schedule(ft_executor *ex, int dynamic) {
     pthread_mutex_lock(&ex->run_lock);
     ex->dynamic = dynamic;
     pthread_mutex_unlock(&ex->run_lock);
+    return FT_OK;
+}
+
+int ft_executor_stall_worker(ft_executor *ex, int tid, int stall_us) {
+    if (!ex || tid < 1 || tid >= ex->nthreads || stall_us < 0) return FT_ERR_ARG;
+    atomic_store(&ex->stall_us, stall_us);
+    atomic_store(&ex->stall_tid, tid);
     return FT_OK;
 }
 

@@ -116,6 +116,10 @@ int ft_executor_schedule(const ft_executor *ex);
 int ft_executor_num_threads(const ft_executor *ex);
 /* Workers pinned to their core (every worker has started when create returns). */
 int ft_executor_num_pinned(const ft_executor *ex);
+/* For tests: worker tid (1 .. num_threads - 1) sleeps stall_us microseconds once, right
+ * after it next sees a job and before it starts it, as a descheduled worker would. FT_OK, or
+ * FT_ERR_ARG. */
+int ft_executor_stall_worker(ft_executor *ex, int tid, int stall_us);
 
 /* Run one layer call described by a ft_moe_task (the argument is a ft_moe_task *); the
  * result is in task->status. Calls on one executor are serialized. */

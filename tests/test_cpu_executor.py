@@ -210,6 +210,63 @@ def test_dynamic_calls_do_not_wait_for_late_threads_and_stay_exact():
                     assert ex.stream_read(buf) == ex.stream_read(buf)
 
 
+def test_a_stalled_worker_neither_holds_up_a_dynamic_call_nor_reruns_a_later_job():
+    """A worker that stalls right after it sees a call (as if descheduled): the dynamic call
+    ends without it; when it wakes it must not run a later job twice nor from the middle:
+    static calls and stream reads on alternating inputs that follow right away stay exact,
+    and closing the executor does not hang (with a `job` field read apart from the wake-up
+    word, a late worker ran the following barrier job twice, releasing later barriers one
+    thread early)."""
+    gen = torch.Generator().manual_seed(91)
+    hidden, inter, layers, epl = 64, 48, 2, 8
+    banks = make_banks(gen, layers * epl, hidden, inter, torch.float32, bias=True)
+    calls = []
+    for tokens in (3, 5):
+        x = torch.randn(tokens, hidden, generator=gen)
+        calls.append((x, *route(gen, tokens, 2, layers, epl)))
+    with CpuExpertExecutor(banks, num_threads=1) as one:
+        expected = [one.run(x, r, e, w, torch.zeros(x.shape[0], hidden)) for x, r, e, w in calls]
+        bufs = [torch.randint(0, 256, (1 << 16,), generator=gen, dtype=torch.uint8)
+                for _ in range(2)]
+        sums = [one.stream_read(b) for b in bufs]
+    assert sums[0] != sums[1]
+    stall_s = 0.3
+
+    def run(i):
+        x, r, e, w = calls[i]
+        return ex.run(x, r, e, w, torch.zeros(x.shape[0], hidden))
+
+    ex = CpuExpertExecutor(banks, num_threads=3, spin_us=0)
+    try:
+        for after in ("static", "stream", "dynamic"):
+            ex.stall_worker(1, int(stall_s * 1e6))
+            t0 = time.perf_counter()
+            out = run(0)
+            took = time.perf_counter() - t0
+            assert torch.equal(out, expected[0])
+            assert took < stall_s / 2, f"the dynamic call waited {took:.3f} s for a stalled worker"
+            for i in (1, 0, 1, 0, 1, 0):
+                if after == "stream":
+                    assert ex.stream_read(bufs[i]) == sums[i], (after, i)
+                else:
+                    ex.set_schedule(after)
+                    assert torch.equal(run(i), expected[i]), (after, i)
+            ex.set_schedule("static")
+            for i in (1, 0, 1, 0):
+                assert torch.equal(run(i), expected[i]), (after, "static after", i)
+                assert ex.stream_read(bufs[i]) == sums[i], (after, "stream after", i)
+            ex.set_schedule("dynamic")
+        with pytest.raises(ValueError, match="worker id in 1..2"):
+            ex.stall_worker(3, 10)
+        ex.stall_worker(2, int(stall_s * 1e6))
+        run(0)
+    finally:
+        closer = threading.Thread(target=ex.close, daemon=True)
+        closer.start()
+        closer.join(timeout=10 * stall_s + 5)
+    assert not closer.is_alive(), "closing hung on a worker that woke after its call ended"
+
+
 def test_accumulates_into_out():
     gen = torch.Generator().manual_seed(1)
     banks = make_banks(gen, 6, 48, 40, torch.float32, bias=True)
