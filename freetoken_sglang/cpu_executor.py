@@ -310,11 +310,13 @@ class CpuExpertExecutor:
 
     def stall_worker(self, tid: int, stall_us: int) -> None:
         """For tests: worker ``tid`` (1 .. ``num_threads - 1``) sleeps ``stall_us``
-        microseconds once, right after it next sees a call and before it starts it, as a
-        descheduled worker would (``ft_executor_stall_worker``).
+        microseconds once, right after it next sees a job (a call, a stream read or the
+        exit) and before it starts it, as a descheduled worker would
+        (``ft_executor_stall_worker``).
 
         Raises:
             ValueError: ``tid`` is not a worker, or ``stall_us`` < 0.
+            RuntimeError: the executor is closed.
         """
         self._require_open()
         if _lib.ft_executor_stall_worker(self._ex, tid, stall_us) != _lib.FT_OK:

@@ -14,9 +14,11 @@
  * thread), and completion is counted in chunks, not in threads: a thread that shares its
  * core with another busy thread (in a server: the scheduler's thread waiting on the GPU,
  * the CUDA callback thread), or that is still asleep, does less of the work or none of it,
- * instead of holding up the call at a barrier. A thread that wakes after the call is over
- * finds the tag changed and touches nothing. ft_executor_set_schedule(ex, 0) gives each
- * thread one fixed contiguous share, with barriers, instead (for comparison).
+ * instead of holding up the call at a barrier (the call still waits for chunks a slowed
+ * thread has already taken). A thread that wakes after the call is over finds its counters
+ * used up, or joins the next dynamic call, whose tag it then claims against; the job it runs
+ * is the one carried by the dispatch word it woke on. ft_executor_set_schedule(ex, 0) gives
+ * each thread one fixed contiguous share, with barriers, instead (for comparison).
  * Each weight byte is read once per call. The intermediate buffer [items, I] is shared: in
  * phase 1 each thread writes its own slice, in phase 2 every thread reads all of it. The
  * dot-product micro-kernels take 4 weight rows and up to FT_TMAX token vectors at a time,
@@ -632,8 +634,7 @@ struct ft_executor {
     alignas(FT_ALIGN) _Atomic uint32_t bar_gen;
     _Atomic int bar_count;
     _Atomic int bar_waiters;
-    _Atomic int stall_tid;      /* ft_executor_stall_worker: who sleeps, and how long */
-    _Atomic int stall_us;
+    _Atomic uint64_t stall;     /* ft_executor_stall_worker: (tid << 32) | microseconds */
     alignas(FT_ALIGN) _Atomic int npinned;
     _Atomic int nstarted;       /* workers past their pinning step */
 
@@ -648,9 +649,11 @@ struct ft_executor {
      * units / blocks finished. */
     uint32_t call_seq;          /* the caller's count of dynamic calls */
     _Atomic uint32_t call;      /* number of the current dynamic call, published last */
-    _Atomic int64_t total1[2];  /* phase-1 units of call c, in slot c & 1: a thread still
-                                 * looking at call c - 1 reads its own total, and the slot
-                                 * of c + 1 is written only once call c's counters are gone */
+    _Atomic int64_t total1[2];  /* phase-1 units of call c, in slot c & 1. A thread still
+                                 * on an older call may read another call's total; the tags
+                                 * make that harmless: its claims against the old tag fail,
+                                 * and the slot of a call is not rewritten while a claim
+                                 * against that call's tag can still succeed */
     alignas(FT_ALIGN) _Atomic uint64_t next1;
     alignas(FT_ALIGN) _Atomic uint64_t done1;
     alignas(FT_ALIGN) _Atomic uint64_t next2;
@@ -1011,10 +1014,10 @@ static void *worker_main(void *arg_) {
          * the gen it saw: a late worker (a dynamic call ends without it) must not read a
          * newer job and then, seeing gen changed once more, run that job twice. */
         int job = (int)(seen & JOB_MASK);
-        if (atomic_load_explicit(&ex->stall_tid, memory_order_relaxed) == arg.tid) {
-            int us = atomic_exchange(&ex->stall_us, 0);
-            if (us > 0) usleep((useconds_t)us);
-        }
+        uint64_t stall = atomic_load_explicit(&ex->stall, memory_order_relaxed);
+        if (stall && (int)(stall >> 32) == arg.tid &&
+            atomic_compare_exchange_strong(&ex->stall, &stall, 0))
+            usleep((useconds_t)(stall & 0xffffffffu));
         if (job == JOB_EXIT) return NULL;
         do_job(ex, arg.tid, job);
     }
@@ -1167,8 +1170,7 @@ int ft_executor_set_schedule(ft_executor *ex, int dynamic) {
 
 int ft_executor_stall_worker(ft_executor *ex, int tid, int stall_us) {
     if (!ex || tid < 1 || tid >= ex->nthreads || stall_us < 0) return FT_ERR_ARG;
-    atomic_store(&ex->stall_us, stall_us);
-    atomic_store(&ex->stall_tid, tid);
+    atomic_store(&ex->stall, stall_us ? ((uint64_t)tid << 32) | (uint32_t)stall_us : 0);
     return FT_OK;
 }
 

@@ -9,7 +9,8 @@
  *   out[row, :] += weight * (w2 · act(gate(x[row]) + b_gate) * (up(x[row]) + b_up) + b2)
  * reading each weight byte once. A persistent pool of pinned worker threads splits every
  * expert's gate/up rows (phase 1) and then the down projection's output rows (phase 2)
- * across all workers, so a single decode token with one missed expert uses every core.
+ * into chunks that any awake worker takes, so a single decode token with one missed expert
+ * can use every core, and a worker that is asleep or descheduled does not hold the call up.
  *
  * Linux only (futex, sched_setaffinity). The text between the FT_CDEF markers is plain C
  * that the cffi build script feeds to cffi as the module's declarations. */
@@ -107,8 +108,10 @@ int ft_executor_set_isa(ft_executor *ex, int isa);
 int ft_executor_isa(const ft_executor *ex);
 /* How later runs share the work between the compute threads: 1 (the default), chunks handed
  * out from a counter and completion counted in chunks, so a thread slowed by another busy
- * thread on its core, or still asleep, does less or none and the call does not wait for it;
- * 0, one fixed contiguous share per thread, with barriers. FT_OK, or FT_ERR_ARG. */
+ * thread on its core, or still asleep, takes fewer chunks or none, and the call waits only
+ * for chunks already taken; 0, one fixed contiguous share per thread, with barriers. Threads
+ * that wait for a phase's last chunks spin (yielding the core now and then) without a time
+ * limit; spin_us bounds only the spin of idle workers. FT_OK, or FT_ERR_ARG. */
 int ft_executor_set_schedule(ft_executor *ex, int dynamic);
 /* The schedule in use: 1 dynamic, 0 static. */
 int ft_executor_schedule(const ft_executor *ex);
@@ -117,8 +120,8 @@ int ft_executor_num_threads(const ft_executor *ex);
 /* Workers pinned to their core (every worker has started when create returns). */
 int ft_executor_num_pinned(const ft_executor *ex);
 /* For tests: worker tid (1 .. num_threads - 1) sleeps stall_us microseconds once, right
- * after it next sees a job and before it starts it, as a descheduled worker would. FT_OK, or
- * FT_ERR_ARG. */
+ * after it next sees a job (a call, a stream read or the exit) and before it starts it, as a
+ * descheduled worker would. FT_OK, or FT_ERR_ARG. */
 int ft_executor_stall_worker(ft_executor *ex, int tid, int stall_us);
 
 /* Run one layer call described by a ft_moe_task (the argument is a ft_moe_task *); the

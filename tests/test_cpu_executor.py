@@ -182,7 +182,7 @@ def test_dynamic_and_static_schedules_agree_bit_for_bit(num_threads):
         assert err < 1e-2, (hidden, inter, tokens, topk, err)
 
 
-def test_dynamic_calls_do_not_wait_for_late_threads_and_stay_exact():
+def test_dynamic_calls_mixed_with_barrier_jobs_on_sleeping_workers_stay_exact():
     """Back-to-back calls on more threads than cores (this machine has two), with workers
     that sleep as soon as they are idle (spin_us=0): a call ends when its chunks are done,
     so a worker that wakes late joins a later call or none. Hundreds of calls of varying
@@ -197,9 +197,10 @@ def test_dynamic_calls_do_not_wait_for_late_threads_and_stay_exact():
         topk = 1 + i % 3
         x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
         calls.append((x, *route(gen, tokens, topk, layers, epl)))
+    buf = torch.randint(0, 256, (4096,), generator=gen, dtype=torch.uint8)
     with CpuExpertExecutor(banks, num_threads=1) as one:
         expected = [one.run(x, r, e, w, torch.zeros(x.shape[0], hidden)) for x, r, e, w in calls]
-    buf = torch.arange(4096, dtype=torch.uint8)
+        buf_sum = one.stream_read(buf)
     with CpuExpertExecutor(banks, num_threads=6, spin_us=0) as ex:
         for rep in range(5):
             for i, (x, r, e, w) in enumerate(calls):
@@ -207,7 +208,7 @@ def test_dynamic_calls_do_not_wait_for_late_threads_and_stay_exact():
                 out = ex.run(x, r, e, w, torch.zeros(x.shape[0], hidden))
                 assert torch.equal(out, expected[i]), (rep, i)
                 if i % 11 == 0:
-                    assert ex.stream_read(buf) == ex.stream_read(buf)
+                    assert ex.stream_read(buf) == buf_sum, (rep, i)
 
 
 def test_a_stalled_worker_neither_holds_up_a_dynamic_call_nor_reruns_a_later_job():
@@ -245,12 +246,17 @@ def test_a_stalled_worker_neither_holds_up_a_dynamic_call_nor_reruns_a_later_job
             took = time.perf_counter() - t0
             assert torch.equal(out, expected[0])
             assert took < stall_s / 2, f"the dynamic call waited {took:.3f} s for a stalled worker"
-            for i in (1, 0, 1, 0, 1, 0):
+            for n, i in enumerate((1, 0, 1, 0, 1, 0)):
+                t0 = time.perf_counter()
                 if after == "stream":
                     assert ex.stream_read(bufs[i]) == sums[i], (after, i)
                 else:
                     ex.set_schedule(after)
                     assert torch.equal(run(i), expected[i]), (after, i)
+                if n == 0 and after != "dynamic":
+                    # A barrier job needs every thread: the first one waits for the stalled
+                    # worker, which shows that the stall did happen after the dynamic call.
+                    assert time.perf_counter() - t0 > stall_s / 3, "the worker did not stall"
             ex.set_schedule("static")
             for i in (1, 0, 1, 0):
                 assert torch.equal(run(i), expected[i]), (after, "static after", i)
@@ -259,7 +265,7 @@ def test_a_stalled_worker_neither_holds_up_a_dynamic_call_nor_reruns_a_later_job
         with pytest.raises(ValueError, match="worker id in 1..2"):
             ex.stall_worker(3, 10)
         ex.stall_worker(2, int(stall_s * 1e6))
-        run(0)
+        assert torch.equal(run(0), expected[0])
     finally:
         closer = threading.Thread(target=ex.close, daemon=True)
         closer.start()
