@@ -647,8 +647,8 @@ struct ft_executor {
      * still looking at a finished call fails its claim instead of taking the next call's
      * work. next*: the next phase-1 unit / phase-2 output block to hand out; done*: the
      * units / blocks finished. */
-    uint32_t call_seq;          /* the caller's count of dynamic calls */
-    _Atomic uint32_t call;      /* number of the current dynamic call, published last */
+    _Atomic uint32_t call;      /* number of the current dynamic call (only the caller
+                                 * writes it), published last */
     _Atomic int64_t total1[2];  /* phase-1 units of call c, in slot c & 1. A thread still
                                  * on an older call may read another call's total; the tags
                                  * make that harmless: its claims against the old tag fail,
@@ -1343,8 +1343,8 @@ static int run_locked(ft_executor *ex, ft_moe_task *t) {
         return FT_OK;
     }
     /* Every chunk of the previous dynamic call is done, so no thread holds one; a thread
-     * still inside run_dynamic for it sees the new tag and leaves. */
-    uint32_t call = ++ex->call_seq;
+     * still inside run_dynamic for it finds the new tag and leaves, or joins this call. */
+    uint32_t call = atomic_load_explicit(&ex->call, memory_order_relaxed) + 1;
     atomic_store_explicit(&ex->total1[call & 1], ex->n_units, memory_order_relaxed);
     atomic_store_explicit(&ex->done1, tagged(call, 0), memory_order_relaxed);
     atomic_store_explicit(&ex->next2, tagged(call, 0), memory_order_relaxed);
