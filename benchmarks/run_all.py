@@ -15,8 +15,10 @@ Systems (``--systems``, comma-separated):
         --systems stock-gpu,stock-offload,ft-qstar,ft-fill,ft-cpu --out-dir results/
     python benchmarks/run_all.py --model-path TINY --cpu --scale 0.01 --decode-cap 4 \\
         --systems stock-gpu,ft-qstar --out-dir /tmp/smoke        # CPU smoke run
-    python benchmarks/run_all.py --shape qwen3-30b-a3b --systems ft-fill,ft-cpu \\
+    python benchmarks/run_all.py --shape qwen3-30b-a3b --systems ft-cpu,stock-offload \\
         --append results/runs.json --out-dir results2/    # adds systems to an earlier run
+    python benchmarks/run_all.py --shape qwen3-30b-a3b --systems "" \\
+        --append results2/runs.json --out-dir report/ --no-replay   # report only, no server
 
 Per system: a server start, optionally a decode benchmark (``--decode-bench N``: random
 128-token prompts, N tokens at batch 1 and 4, ``bench_decode.measure_decode``), then the
@@ -94,7 +96,9 @@ def system_flags(name: str, args, pool_gib: float, trace_dir: str) -> List[str]:
     if name == "stock-gpu":
         return []
     if name == "stock-offload":
-        return ["--cpu-offload-gb", f"{pool_gib * (1 - args.cache_ratio):.2f}"]
+        # SGLang's --cpu-offload-gb takes whole GiB (an int): the nearest to the pool's share
+        # that FreeToken keeps off the GPU.
+        return ["--cpu-offload-gb", str(round(pool_gib * (1 - args.cache_ratio)))]
     if name == "ft-allhit":
         return FT + ["--freetoken-cache-ratio", "1.0", "--freetoken-miss-policy", "fill"]
     if name.startswith("ft-"):
@@ -342,7 +346,7 @@ def replay_traces(trace_dir: str, out_dir: str) -> Optional[str]:
     import subprocess
 
     subprocess.run(
-        [sys.executable, os.path.join(HERE, "replay.py"), *traces[:1], "--out-dir", out_dir],
+        [sys.executable, os.path.join(HERE, "replay.py"), *traces, "--out-dir", out_dir],
         check=True,
     )
     return out_dir

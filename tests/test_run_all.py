@@ -370,6 +370,21 @@ def test_run_all_append_failure_and_decode_bench(monkeypatch, tmp_path, capsys):
     assert [r["label"] for r in json.loads((out3 / "runs.json").read_text())["runs"]] == [
         "stock-gpu", "ft-qstar", "ft-fill", "ft-cpu"]
 
+    # report only: no system, no server; the appended runs and their failures are re-rendered
+    class _NoServer:
+        def __init__(self, *a, **k):
+            raise AssertionError("a report-only call started a server")
+
+    monkeypatch.setattr(run_all, "Server", _NoServer)
+    out4 = tmp_path / "out4"
+    rc = run_all.main(same + ["--systems", "", "--append", str(out3 / "runs.json"),
+                              "--out-dir", str(out4), "--no-replay"])
+    assert rc == 0
+    doc = json.loads((out4 / "runs.json").read_text())
+    assert [r["label"] for r in doc["runs"]] == ["stock-gpu", "ft-qstar", "ft-fill", "ft-cpu"]
+    assert [e["label"] for e in doc["errors"]] == ["stock-offload", "stock-offload"]
+    assert "| ft-cpu | W1 | 0.20 (stock-gpu) |" in (out4 / "report.md").read_text()
+
     # other settings, a system twice, an unknown system, a file that is no runs.json
     for extra, message in [
         (["--systems", "ft-cpu", "--decode-bench", "32"], "--decode-bench 64"),
@@ -426,10 +441,10 @@ def test_run_all_sh_flags_and_override():
     assert args[-3:] == ["--out-dir", "$out", "$@"]
     base = args[:-1]
     a = run_all.parser().parse_args(base)
-    assert a.systems == "stock-gpu,stock-offload,ft-qstar"
+    assert a.systems == "stock-gpu,ft-qstar,ft-fill"
     assert (a.decode_bench, a.decode_bench_max_s, a.budget_s, a.scale, a.decode_cap) == (32, 10.0, 30.0, 0.1, 64)
-    a = run_all.parser().parse_args(base + ["--systems", "ft-fill,ft-cpu", "--append", "OUT/runs.json"])
-    assert a.systems == "ft-fill,ft-cpu" and a.append == ["OUT/runs.json"]
+    a = run_all.parser().parse_args(base + ["--systems", "ft-cpu,stock-offload", "--append", "OUT/runs.json"])
+    assert a.systems == "ft-cpu,stock-offload" and a.append == ["OUT/runs.json"]
 
 
 @pytest.mark.parametrize("b_p,b_h", [(20.0, 40.0), (40.0, 20.0)])
@@ -446,3 +461,35 @@ def test_roofline_uses_the_better_bandwidth(b_p, b_h):
     t = 10e-3 + (18 / tokens) * 3e9 / (expected * 1e9)
     assert row["misses_per_token"] == 1.0
     assert abs(row["bound_tok_s"] - 1 / t) < 1e-9
+
+
+def test_every_system_s_flags_parse_with_sglang_s_own_parser(tmp_path):
+    """Each system's launch flags, with run_all.sh's common flags, are accepted by SGLang
+    0.5.17's ``ServerArgs.add_cli_args`` plus FreeToken's flags: on the H200 (2026-11-30)
+    stock-offload's ``--cpu-offload-gb 40.50`` was refused (SGLang wants an int) and that
+    server exited at start."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from freetoken_sglang import config as ft_config
+
+    p = argparse.ArgumentParser(exit_on_error=False)
+    ServerArgs.add_cli_args(p)
+    ft_config.add_cli_args(p)
+    text = open(os.path.join(BENCH, "run_all.sh")).read().replace("\\\n", " ")
+    line = next(l for l in text.splitlines() if l.startswith("exec python3"))
+    a = run_all.parser().parse_args(shlex.split(line.split('run_all.py"', 1)[1])[:-3]
+                                    + ["--out-dir", str(tmp_path)])
+    common = shlex.split(a.common)
+    pool_gib = 54.0  # the Qwen3-30B-A3B shape's routed-expert pool
+    seen = {}
+    for name in run_all.SYSTEMS:
+        flags = run_all.system_flags(name, a, pool_gib, str(tmp_path))
+        ns = p.parse_args(["--model-path", "m"] + common + flags)
+        seen[name] = ns
+    assert seen["stock-offload"].cpu_offload_gb == round(54.0 * 0.75) == 40
+    assert seen["stock-gpu"].cpu_offload_gb == 0
+    assert seen["ft-qstar"].freetoken_miss_policy == "qstar"
+    assert seen["ft-qstar"].freetoken_cache_ratio == 0.25
+    assert seen["ft-allhit"].freetoken_cache_ratio == 1.0
