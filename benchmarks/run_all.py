@@ -49,7 +49,7 @@ import math
 import os
 import sys
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -217,11 +217,53 @@ def _ratio(v: Optional[float], best: Optional[Tuple[dict, float]]) -> dict:
             "ratio": v / best[1] if best and v is not None else None}
 
 
+# Per workload metric: the request-record field it aggregates, and how.
+PER_REQUEST = {
+    "mean_decode_tok_s": ("decode_tok_s", lambda xs: sum(xs) / len(xs)),
+    "mean_ttft_s": ("ttft_s", lambda xs: sum(xs) / len(xs)),
+    "worst_ttft_s": ("ttft_s", max),
+}
+SAME_REQUESTS_NOTE = ("Each ratio compares the same requests: those of the workload that both "
+                      "the system and that baseline finished (\"3 of 17\" where the budget cut "
+                      "one of them short; the sessions are scripted, so request i is the same "
+                      "request in every run).")
+
+
+def _records(run: dict, name: str) -> Optional[Dict[int, dict]]:
+    """The finished requests of one workload of a run by index; None when the run carries no
+    request records at all (a hand-made or summary-only run)."""
+    recs = run.get("requests")
+    if not recs:
+        return None
+    return {r["index"]: r for r in recs if r.get("workload") == name and not r.get("error")}
+
+
+def _same_requests(a: dict, b: dict, name: str, k: str) -> Optional[Tuple[float, float, int]]:
+    """(a's value, b's value, n) of metric ``k`` over the n requests of workload ``name`` that
+    both finished with a value; None when they share none or one has no records."""
+    ra, rb = _records(a, name), _records(b, name)
+    if ra is None or rb is None:
+        return None
+    field, agg = PER_REQUEST[k]
+    idx = sorted(i for i in ra.keys() & rb.keys()
+                 if _num(ra[i].get(field)) is not None and _num(rb[i].get(field)) is not None)
+    if not idx:
+        return None
+    return agg([ra[i][field] for i in idx]), agg([rb[i][field] for i in idx]), len(idx)
+
+
 def ratios(runs: Sequence[dict]) -> List[dict]:
     """Per system and workload: for each of ``WORKLOAD_METRICS`` a dict ``value``,
     ``baseline`` (label of the best baseline for that workload and metric),
-    ``baseline_value``, ``ratio`` (value / baseline_value; None without a baseline value)
-    and ``unequal_requests`` (the two ran different numbers of requests)."""
+    ``baseline_value``, ``ratio`` (value / baseline_value; None without a baseline value),
+    ``compared`` (how many requests the ratio covers, or None) and ``unequal_requests``.
+
+    Runs with request records (every run of ``serve_bench``) are compared on the same
+    requests: for each baseline, the requests of the workload that both finished; the best
+    baseline is the one with the best value over its shared requests, and ``value`` is the
+    system's over those same requests. Runs without records (hand-made summaries) fall back
+    to the workload summaries, and ``unequal_requests`` marks where the two ran different
+    numbers of requests."""
     best = {name: {k: best_baseline(runs, lambda r, k=k: _wsummary(r, name).get(k), hi)
                    for k, _, hi in WORKLOAD_METRICS}
             for name in _workload_names(runs)}
@@ -231,31 +273,51 @@ def ratios(runs: Sequence[dict]) -> List[dict]:
             s = _wsummary(r, name)
             row = {"system": r["label"], "workload": name, "requests": s.get("requests"),
                    "planned": s.get("planned"), "truncated": bool(s.get("truncated"))}
-            for k, _, _ in WORKLOAD_METRICS:
-                b = best[name][k]
-                c = _ratio(_num(s.get(k)), b)
-                c["unequal_requests"] = bool(
-                    b and _wsummary(b[0], name).get("requests") != s.get("requests"))
+            for k, _, hi in WORKLOAD_METRICS:
+                if _records(r, name) is not None:
+                    cands = [(b, same) for b in runs if is_baseline(b["label"])
+                             for same in [_same_requests(r, b, name, k)]
+                             if same is not None and same[1] > 0]
+                    c = {"value": None, "baseline": None, "baseline_value": None,
+                         "ratio": None, "compared": None, "unequal_requests": False}
+                    if cands:
+                        pick = max if hi else min
+                        b, (v, bv, n) = pick(cands, key=lambda x: x[1][1])
+                        c.update(value=v, baseline=b["label"], baseline_value=bv, ratio=v / bv,
+                                 compared=n)
+                else:
+                    b = best[name][k]
+                    c = _ratio(_num(s.get(k)), b)
+                    c["compared"] = None
+                    c["unequal_requests"] = bool(
+                        b and _wsummary(b[0], name).get("requests") != s.get("requests"))
                 row[k] = c
             rows.append(row)
     return rows
 
 
-def _ratio_cell(c: dict) -> str:
+def _ratio_cell(c: dict, planned: Optional[int] = None) -> str:
     if c["ratio"] is None:
         return "-"
-    return f"{c['ratio']:.2f} ({c['baseline']})" + (" †" if c.get("unequal_requests") else "")
+    part = (f"; {c['compared']} of {planned}"
+            if c.get("compared") is not None and planned is not None and c["compared"] < planned
+            else "")
+    return f"{c['ratio']:.2f} ({c['baseline']}{part})" + (" †" if c.get("unequal_requests") else "")
 
 
 def ratios_markdown(rows: List[dict]) -> str:
     """The ratio table of ``ratios(runs)``: per system and workload, each metric's value over
-    the best baseline's, with that baseline's label (``-`` without one; † where the two ran
-    different numbers of requests)."""
+    the best baseline's, with that baseline's label and, where fewer than the workload's
+    planned requests were compared, how many (``-`` without a baseline; † where summaries of
+    different numbers of requests were compared)."""
     out = ["| system | workload | " + " | ".join(col for _, col, _ in WORKLOAD_METRICS) + " |",
            "|---|---|" + "---:|" * len(WORKLOAD_METRICS)]
     for r in rows:
         out.append(f"| {r['system']} | {r['workload']} | "
-                   + " | ".join(_ratio_cell(r[k]) for k, _, _ in WORKLOAD_METRICS) + " |")
+                   + " | ".join(_ratio_cell(r[k], r.get("planned")) for k, _, _ in WORKLOAD_METRICS)
+                   + " |")
+    if any(r[k].get("compared") is not None for r in rows for k, _, _ in WORKLOAD_METRICS):
+        out += ["", SAME_REQUESTS_NOTE]
     if any(r[k].get("unequal_requests") and r[k]["ratio"] is not None
            for r in rows for k, _, _ in WORKLOAD_METRICS):
         out += ["", UNEQUAL_NOTE]

@@ -68,11 +68,19 @@ def test_run_all_cpu_smoke(tiny_checkpoint, tmp_path):
     assert {(r["system"], r["workload"]) for r in ratios} == {
         (s, w) for s in ("stock-gpu", "ft-qstar") for w in ("W1", "W2")}
     doc = json.loads((out / "runs.json").read_text())
-    speed = {(r["label"], w): r["workloads"][w]["summary"]["mean_decode_tok_s"]
-             for r in doc["runs"] for w in r["workloads"]}
-    for r in ratios:
+    by_label = {r["label"]: r for r in doc["runs"]}
+
+    def rates(label, workload):
+        return {q["index"]: q["decode_tok_s"] for q in by_label[label]["requests"]
+                if q["workload"] == workload and not q.get("error")
+                and q.get("decode_tok_s") is not None}
+
+    for r in ratios:  # over the requests both finished, from the records in runs.json
         assert r["mean_decode_tok_s"]["baseline"] == "stock-gpu"
-        want = speed[r["system"], r["workload"]] / speed["stock-gpu", r["workload"]]
+        a, b = rates(r["system"], r["workload"]), rates("stock-gpu", r["workload"])
+        common = sorted(a.keys() & b.keys())
+        want = (sum(a[i] for i in common) / len(common)) / (sum(b[i] for i in common) / len(common))
+        assert r["mean_decode_tok_s"]["compared"] == len(common) > 0
         assert abs(r["mean_decode_tok_s"]["ratio"] - want) < 1e-12
 
 
@@ -146,6 +154,51 @@ def test_ratios_against_best_baseline():
     # no baseline at all: every cell is "-"
     only_ft = run_all.ratios([runs[2]])
     assert all(r[k]["ratio"] is None and r[k]["baseline"] is None for r in only_ft
+               for k in ("mean_decode_tok_s", "mean_ttft_s", "worst_ttft_s"))
+
+
+def _rec(workload, index, ttft, rate, error=None):
+    return {"workload": workload, "index": index, "ttft_s": ttft, "decode_tok_s": rate,
+            "error": error}
+
+
+def test_ratios_compare_the_same_requests():
+    """With request records, each ratio covers the requests both runs finished: the system's
+    3 of 5 against the same 3 of the baseline's 5, errors left out, and the best baseline is
+    chosen on those shared requests."""
+    gpu = _run("stock-gpu", {"W2": dict(requests=5, decode=30.0, mean_ttft=1.0, worst_ttft=3.0)})
+    # stock-gpu: requests 0-2 are slow to start (2 s), 3-4 fast; its full-set mean hides that
+    gpu["requests"] = [_rec("W2", 0, 2.0, 10.0), _rec("W2", 1, 2.0, 20.0), _rec("W2", 2, 2.0, 30.0),
+                       _rec("W2", 3, 0.1, 40.0), _rec("W2", 4, 0.1, 50.0)]
+    off = _run("stock-offload", {"W2": dict(requests=2, planned=5, decode=1.0, mean_ttft=0.5,
+                                            worst_ttft=0.5)})
+    off["requests"] = [_rec("W2", 0, 0.5, 1.0), _rec("W2", 1, 0.5, 1.0)]
+    ft = _run("ft-fill", {"W2": dict(requests=4, planned=5, decode=9.0, mean_ttft=3.0,
+                                     worst_ttft=4.0)})
+    ft["requests"] = [_rec("W2", 0, 3.0, 5.0), _rec("W2", 1, 4.0, 10.0), _rec("W2", 2, 2.0, 12.0),
+                      _rec("W2", 3, None, None, error="cut by the budget after 9.0 s")]
+    rows = {(r["system"], r["workload"]): r for r in run_all.ratios([gpu, off, ft])}
+    f = rows["ft-fill", "W2"]
+    # decode: stock-gpu over requests 0-2 = 20 (not its full 30); stock-offload over 0-1 = 1
+    d = f["mean_decode_tok_s"]
+    assert (d["baseline"], d["compared"], d["value"], d["baseline_value"]) == ("stock-gpu", 3, 9.0, 20.0)
+    assert d["ratio"] == 0.45 and not d["unequal_requests"]
+    # mean TTFT: stock-offload's 0.5 over requests 0-1 beats stock-gpu's 2.0 over 0-2
+    m = f["mean_ttft_s"]
+    assert (m["baseline"], m["compared"], m["value"], m["baseline_value"]) == ("stock-offload", 2, 3.5, 0.5)
+    assert m["ratio"] == 7.0
+    w = f["worst_ttft_s"]
+    assert (w["baseline"], w["compared"], w["value"]) == ("stock-offload", 2, 4.0)
+    md = run_all.ratios_markdown(list(rows.values()))
+    assert "| ft-fill | W2 | 0.45 (stock-gpu; 3 of 5) | 7.00 (stock-offload; 2 of 5) | 8.00 (stock-offload; 2 of 5) |" in md
+    # stock-gpu against itself (all 5) for decode; its first 2 against stock-offload for TTFT
+    assert "| stock-gpu | W2 | 1.00 (stock-gpu) | 4.00 (stock-offload; 2 of 5) | 4.00 (stock-offload; 2 of 5) |" in md
+    assert run_all.SAME_REQUESTS_NOTE in md and run_all.UNEQUAL_NOTE not in md
+    # no shared finished request with any baseline: no ratio
+    ft["requests"] = [_rec("W2", 4, 1.0, 9.0)]
+    off["requests"], gpu["requests"] = off["requests"], gpu["requests"][:4]
+    lone = {(r["system"], r["workload"]): r for r in run_all.ratios([gpu, off, ft])}["ft-fill", "W2"]
+    assert all(lone[k]["ratio"] is None and lone[k]["compared"] is None
                for k in ("mean_decode_tok_s", "mean_ttft_s", "worst_ttft_s"))
 
 
