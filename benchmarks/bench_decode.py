@@ -103,7 +103,9 @@ def measure_decode(url: str, input_len: int, new_tokens: int, repeats: int,
     Returns ``bs1_decode_tok_s`` (mean of the per-request tok/s, over requests with at least
     2 tokens; ``bs1_rated`` says how many), ``bs1_ttft_s`` (s), ``bs4_decode_tok_s_per_req``,
     ``bs4_total_tok_s`` (all tokens of the 4 / wall time), ``cut_requests`` (cut at
-    ``max_request_s`` s, for slow systems such as ``--cpu-offload-gb``) and, on a FreeToken
+    ``max_request_s`` s, for slow systems such as ``--cpu-offload-gb``), ``warmup_cut_requests``
+    (warm-up requests cut likewise; a cut request is aborted, and its last steps may still
+    run in the batch-1 window) and, on a FreeToken
     server, the decode-phase counters of each window (``bs1_decode_counts``,
     ``bs4_decode_counts``). Rates are None when no request gave one.
 
@@ -120,10 +122,10 @@ def measure_decode(url: str, input_len: int, new_tokens: int, repeats: int,
     # Warm-up at batch 1 and at batch 4: the first batched prefill and decode of a server
     # compile or tune kernels for those shapes (on the H200, 2026-11-30, stock SGLang's first
     # 4-request batch took about 2.4 s more than its decode), which is not decode time.
-    stream_generate(url, prompt(), 16, max_request_s)
+    warm = [stream_generate(url, prompt(), 16, max_request_s)]
     with ThreadPoolExecutor(4) as ex:
-        list(ex.map(lambda p: stream_generate(url, p, 16, max_request_s),
-                    [prompt() for _ in range(4)]))
+        warm += list(ex.map(lambda p: stream_generate(url, p, 16, max_request_s),
+                            [prompt() for _ in range(4)]))
     result: Dict[str, object] = {}
     before_bs1 = freetoken_stats(url)
     b1 = [stream_generate(url, prompt(), new_tokens, max_request_s) for _ in range(repeats)]
@@ -139,6 +141,7 @@ def measure_decode(url: str, input_len: int, new_tokens: int, repeats: int,
     result["bs4_decode_tok_s_per_req"] = serve_bench.mean_of(r["decode_tok_s"] for r in b4)
     result["bs4_total_tok_s"] = sum(r["tokens"] for r in b4) / wall
     result["cut_requests"] = sum(r["cut"] for r in b1 + b4)
+    result["warmup_cut_requests"] = sum(r["cut"] for r in warm)
     after = freetoken_stats(url)
     if after is not None:
         # Counters of the decode-sized layer calls during each measurement.

@@ -66,6 +66,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from collections import OrderedDict
 from concurrent.futures import ProcessPoolExecutor
@@ -725,8 +726,6 @@ def _plot(dec, policies, tables, tag, path):
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
     band = ", lines: mean, bands: min–max" if len(tables) > 1 else ""
-    import textwrap
-
     sub = textwrap.fill(f"{len(tables)} trace(s), {_describe(tables)}{band}", 110)
     ax.set_title(f"Decode miss rate vs cache capacity — {tag}\n{sub}", fontsize=8)
     ax.legend(fontsize=7.5, loc="upper right")

@@ -6,7 +6,8 @@ Systems (``--systems``, comma-separated):
 
 - ``stock-gpu``: stock SGLang, every expert on the GPU (the upper bound, where it fits);
 - ``stock-offload``: stock SGLang with ``--cpu-offload-gb`` set to the expert pool minus
-  FreeToken's cache, so that its GPU weight memory matches FreeToken's budget;
+  FreeToken's cache, to the nearest whole GiB (SGLang takes an int), so that its GPU weight
+  memory matches FreeToken's budget to within 0.5 GiB;
 - ``ft-qstar``, ``ft-fill``, ``ft-cpu``: FreeToken with each miss policy, the cache at
   ``--cache-ratio`` of the pool, recording routing traces;
 - ``ft-allhit``: FreeToken with every expert resident, for the roofline's all-hit step time.
@@ -30,15 +31,17 @@ systems; a system that fails (its server does not start, ...) is listed with its
 
 Ratios: each system's decode tok/s and mean / worst TTFT per workload (and decode-bench
 tok/s) over the best baseline's in the report; baselines are the systems whose label does
-not start with ``ft-`` (``stock-gpu``, ``stock-offload``), the best the highest tok/s or the
-lowest TTFT among them.
+not start with ``ft-`` (``stock-gpu``, ``stock-offload``). A workload ratio covers the
+requests that both runs finished (``ratios``), so a budget-cut run is compared with the same
+requests of the baseline; the best baseline is the one the system compares worst against.
 
 Roofline (per FreeToken run and workload): the decode misses each token took (fills + CPU
 misses of decode-sized layer calls, from ``/freetoken/stats``), served at the better of PCIe
 fill and CPU execution balanced by q* (``S / max(B_P, B_H)`` per missed expert of S bytes:
 fills and the CPU read the same host memory, so under paper §3.2 Eq. 2-4 the CPU gets only
 the residual ``B_H - B_P`` while fills run, and the q*-balanced layer takes ``m S / B_H``),
-plus the TPOT of an all-hit step; reported as achieved decode tok/s / the bound's tok/s.
+plus the TPOT of an all-hit step (``ft-allhit``'s, else ``stock-gpu``'s, over the requests the
+run finished); reported as achieved decode tok/s / the bound's tok/s.
 """
 
 from __future__ import annotations
@@ -97,8 +100,14 @@ def system_flags(name: str, args, pool_gib: float, trace_dir: str) -> List[str]:
         return []
     if name == "stock-offload":
         # SGLang's --cpu-offload-gb takes whole GiB (an int): the nearest to the pool's share
-        # that FreeToken keeps off the GPU.
-        return ["--cpu-offload-gb", str(round(pool_gib * (1 - args.cache_ratio)))]
+        # that FreeToken keeps off the GPU (40 for the Qwen3-30B-A3B shape's 40.5 at 25%).
+        off = pool_gib * (1 - args.cache_ratio)
+        if round(off) < 1:
+            raise ValueError(
+                f"stock-offload: FreeToken keeps {off:.2f} GiB of experts off the GPU, which is "
+                "0 whole GiB for SGLang's --cpu-offload-gb, so it would run as stock-gpu; use a "
+                "model whose off-GPU share is at least 0.5 GiB or a lower --cache-ratio")
+        return ["--cpu-offload-gb", str(round(off))]
     if name == "ft-allhit":
         return FT + ["--freetoken-cache-ratio", "1.0", "--freetoken-miss-policy", "fill"]
     if name.startswith("ft-"):
@@ -125,7 +134,11 @@ def roofline(runs: List[dict]) -> List[dict]:
             s, d = w["summary"], (w.get("freetoken") or {}).get("decode")
             tokens = (s.get("completion_tokens") or 0) - s.get("requests", 0)
             row = {"system": r["label"], "workload": name, "achieved_tok_s": s.get("mean_decode_tok_s")}
-            allhit = base and base["workloads"].get(name, {}).get("summary", {}).get("mean_tpot_ms")
+            # the all-hit step: the baseline's TPOT over the requests this run finished
+            # (its own summary when either run has no request records)
+            sh = _shared(r, base, name, "tpot_ms") if base else None
+            allhit = (sum(sh[1]) / len(sh[1]) if sh else
+                      base and base["workloads"].get(name, {}).get("summary", {}).get("mean_tpot_ms"))
             if d and tokens > 0 and bw and allhit:
                 misses_per_token = (d["fills"] + d["cpu"]) / tokens
                 t = allhit / 1e3 + misses_per_token * expert_bytes / (max(bw["B_P"], bw["B_H"]) * 1e9)
@@ -133,6 +146,7 @@ def roofline(runs: List[dict]) -> List[dict]:
                     misses_per_token=misses_per_token,
                     allhit_tpot_ms=allhit,
                     allhit_from=base["label"],
+                    allhit_compared=len(sh[1]) if sh else None,
                     bound_tok_s=1 / t,
                     achieved_over_bound=(row["achieved_tok_s"] or 0) * t,
                 )
@@ -170,9 +184,8 @@ DECODE_METRICS = (
     ("bs1_decode_tok_s", "bs1 ratio (best baseline)", True),
     ("bs4_total_tok_s", "bs4 ratio (best baseline)", True),
 )
-UNEQUAL_NOTE = ("† the system and that baseline ran different numbers of this workload's "
-                "requests (budget truncation: see the requests column above), so the ratio "
-                "compares different request sets.")
+UNEQUAL_NOTE = ("† compared over workload summaries (a run without request records) of "
+                "different numbers of requests, so the ratio compares different request sets.")
 
 
 def is_baseline(label: str) -> bool:
@@ -217,56 +230,79 @@ def _ratio(v: Optional[float], best: Optional[Tuple[dict, float]]) -> dict:
             "ratio": v / best[1] if best and v is not None else None}
 
 
-# Per workload metric: the request-record field it aggregates, and how.
+# Per workload metric: the request-record field it aggregates over the compared requests, and how.
 PER_REQUEST = {
     "mean_decode_tok_s": ("decode_tok_s", lambda xs: sum(xs) / len(xs)),
     "mean_ttft_s": ("ttft_s", lambda xs: sum(xs) / len(xs)),
     "worst_ttft_s": ("ttft_s", max),
 }
-SAME_REQUESTS_NOTE = ("Each ratio compares the same requests: those of the workload that both "
-                      "the system and that baseline finished (\"3 of 17\" where the budget cut "
-                      "one of them short; the sessions are scripted, so request i is the same "
-                      "request in every run).")
+SAME_REQUESTS_NOTE = ("Ratios over records compare the same requests: those of the workload "
+                      "that both the system and that baseline finished with a value (\"3 of "
+                      "17\" where fewer than all: cut by the budget, failed, or too short for a "
+                      "rate). A request is matched by its index in the scripted session, its "
+                      "max_tokens, message count and edits, so it is the same request in both "
+                      "runs; requests cut by the budget count in neither TTFT nor decode.")
 
 
-def _records(run: dict, name: str) -> Optional[Dict[int, dict]]:
-    """The finished requests of one workload of a run by index; None when the run carries no
-    request records at all (a hand-made or summary-only run)."""
+def _request_key(rec: dict) -> tuple:
+    """What makes two request records the same request: the scripted session's index, its
+    token cap, message count and context edits (the client supplies every assistant turn)."""
+    return (rec["index"], rec.get("max_tokens"), rec.get("messages"), tuple(rec.get("edits") or ()))
+
+
+def _records(run: dict, name: str) -> Optional[Dict[tuple, dict]]:
+    """The finished requests of one workload of a run by ``_request_key``; None when the run
+    carries no request records at all (a hand-made or summary-only run)."""
     recs = run.get("requests")
     if not recs:
         return None
-    return {r["index"]: r for r in recs if r.get("workload") == name and not r.get("error")}
+    return {_request_key(r): r for r in recs if r.get("workload") == name and not r.get("error")}
 
 
-def _same_requests(a: dict, b: dict, name: str, k: str) -> Optional[Tuple[float, float, int]]:
-    """(a's value, b's value, n) of metric ``k`` over the n requests of workload ``name`` that
-    both finished with a value; None when they share none or one has no records."""
+def _shared(a: dict, b: dict, name: str, field: str) -> Optional[Tuple[List[float], List[float]]]:
+    """``field`` of the requests of workload ``name`` that both runs finished with a value, as
+    two lists in the same order; None when either run has no records or they share none."""
     ra, rb = _records(a, name), _records(b, name)
     if ra is None or rb is None:
         return None
-    field, agg = PER_REQUEST[k]
-    idx = sorted(i for i in ra.keys() & rb.keys()
-                 if _num(ra[i].get(field)) is not None and _num(rb[i].get(field)) is not None)
-    if not idx:
+    keys = sorted(k for k in ra.keys() & rb.keys()
+                  if _num(ra[k].get(field)) is not None and _num(rb[k].get(field)) is not None)
+    if not keys:
         return None
-    return agg([ra[i][field] for i in idx]), agg([rb[i][field] for i in idx]), len(idx)
+    return [ra[k][field] for k in keys], [rb[k][field] for k in keys]
+
+
+def _pair(r: dict, b: dict, name: str, k: str) -> Optional[dict]:
+    """Metric ``k`` of system ``r`` against baseline ``b`` on workload ``name``: over the
+    requests both finished when both carry records, else over each one's summary (marked
+    ``unequal_requests`` when their request counts differ). None without two positive values."""
+    if _records(r, name) is not None and _records(b, name) is not None:
+        field, agg = PER_REQUEST[k]
+        sh = _shared(r, b, name, field)
+        if sh is None:
+            return None
+        v, bv, n, unequal = agg(sh[0]), agg(sh[1]), len(sh[0]), False
+    else:
+        v, bv = _num(_wsummary(r, name).get(k)), _num(_wsummary(b, name).get(k))
+        n = None
+        unequal = _wsummary(b, name).get("requests") != _wsummary(r, name).get("requests")
+    if v is None or bv is None or bv <= 0:
+        return None
+    return {"value": v, "baseline": b["label"], "baseline_value": bv, "ratio": v / bv,
+            "compared": n, "unequal_requests": unequal}
 
 
 def ratios(runs: Sequence[dict]) -> List[dict]:
     """Per system and workload: for each of ``WORKLOAD_METRICS`` a dict ``value``,
     ``baseline`` (label of the best baseline for that workload and metric),
     ``baseline_value``, ``ratio`` (value / baseline_value; None without a baseline value),
-    ``compared`` (how many requests the ratio covers, or None) and ``unequal_requests``.
+    ``compared`` (how many requests the ratio covers; None for summaries) and
+    ``unequal_requests``.
 
-    Runs with request records (every run of ``serve_bench``) are compared on the same
-    requests: for each baseline, the requests of the workload that both finished; the best
-    baseline is the one with the best value over its shared requests, and ``value`` is the
-    system's over those same requests. Runs without records (hand-made summaries) fall back
-    to the workload summaries, and ``unequal_requests`` marks where the two ran different
-    numbers of requests."""
-    best = {name: {k: best_baseline(runs, lambda r, k=k: _wsummary(r, name).get(k), hi)
-                   for k, _, hi in WORKLOAD_METRICS}
-            for name in _workload_names(runs)}
+    Each system is paired with each baseline (``_pair``): over the requests both finished
+    when both runs carry request records (every run of ``serve_bench``), else over their
+    workload summaries. The best baseline is the one the system compares worst against:
+    the lowest ratio for decode tok/s, the highest for TTFT."""
     rows = []
     for r in runs:  # in run order, as the serve_bench table
         for name in r.get("workloads", {}):
@@ -274,23 +310,13 @@ def ratios(runs: Sequence[dict]) -> List[dict]:
             row = {"system": r["label"], "workload": name, "requests": s.get("requests"),
                    "planned": s.get("planned"), "truncated": bool(s.get("truncated"))}
             for k, _, hi in WORKLOAD_METRICS:
-                if _records(r, name) is not None:
-                    cands = [(b, same) for b in runs if is_baseline(b["label"])
-                             for same in [_same_requests(r, b, name, k)]
-                             if same is not None and same[1] > 0]
-                    c = {"value": None, "baseline": None, "baseline_value": None,
-                         "ratio": None, "compared": None, "unequal_requests": False}
-                    if cands:
-                        pick = max if hi else min
-                        b, (v, bv, n) = pick(cands, key=lambda x: x[1][1])
-                        c.update(value=v, baseline=b["label"], baseline_value=bv, ratio=v / bv,
-                                 compared=n)
+                pairs = [p for b in runs if is_baseline(b["label"])
+                         for p in [_pair(r, b, name, k)] if p is not None]
+                if pairs:
+                    c = (min if hi else max)(pairs, key=lambda p: p["ratio"])
                 else:
-                    b = best[name][k]
-                    c = _ratio(_num(s.get(k)), b)
-                    c["compared"] = None
-                    c["unequal_requests"] = bool(
-                        b and _wsummary(b[0], name).get("requests") != s.get("requests"))
+                    c = {"value": _num(s.get(k)), "baseline": None, "baseline_value": None,
+                         "ratio": None, "compared": None, "unequal_requests": False}
                 row[k] = c
             rows.append(row)
     return rows
@@ -400,9 +426,11 @@ def plot(runs: List[dict], path: str) -> None:
     plt.close(fig)
 
 
-def replay_traces(trace_dir: str, out_dir: str) -> Optional[str]:
-    """Replay every recorded trace through the cache policies (``replay.py``)."""
-    traces = sorted(os.path.join(trace_dir, f) for f in os.listdir(trace_dir) if f.endswith(".npz"))
+def replay_traces(trace_dirs: Sequence[str], out_dir: str) -> Optional[str]:
+    """Replay every recorded trace of ``trace_dirs`` (this call's and those next to each
+    ``--append`` file) through the cache policies together (``replay.py``)."""
+    traces = sorted({os.path.join(d, f) for d in trace_dirs if os.path.isdir(d)
+                     for f in os.listdir(d) if f.endswith(".npz")})
     if not traces:
         return None
     import subprocess
@@ -606,6 +634,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"{flag} must be a positive number of seconds, not {v}")
     if a.decode_bench < 0 or a.decode_bench == 1:
         raise SystemExit(f"--decode-bench wants 0 (off) or at least 2 tokens, not {a.decode_bench}")
+    if not names and not a.append:
+        raise SystemExit("nothing to run or report: give --systems, or --append RUNS_JSON to "
+                         "render an earlier run's report")
     runs, errors = load_appended(a.append, settings(a))
     taken = [r["label"] for r in runs]
     dup = sorted({n for n in taken if taken.count(n) > 1} | (set(taken) & set(names)))
@@ -654,7 +685,8 @@ def main(argv=None) -> int:
     if runs:
         plot(runs, os.path.join(a.out_dir, "serving.png"))
     if not a.no_replay:
-        replay_traces(trace_dir, os.path.join(a.out_dir, "replay"))
+        replay_traces([trace_dir] + [os.path.join(os.path.dirname(os.path.abspath(p)), "traces")
+                                     for p in a.append], os.path.join(a.out_dir, "replay"))
     print(report)
     return 1 if len(errors) > n_appended_errors else 0  # this call's failures only
 

@@ -4,22 +4,21 @@
 # Qwen3-30B-A3B shape with dummy weights, the cache at 25% of the pool.
 # The five systems do not fit one 10-minute GPU call on the Qwen3-30B-A3B shape. Measured on
 # the H200 (2026-11-30, session 4; time per system from its start to its server's stop,
-# start-up in brackets): stock-gpu 182 s (141 s, the first server of a fresh machine, which
-# also compiles the Triton kernels), stock-offload 340 s (251 s: SGLang's dummy load plus
-# --cpu-offload-gb takes 187 s), ft-qstar 152 s (91 s, with the B_P/B_H profile), ft-fill
-# 115 s (63 s), ft-cpu 120 s (67 s); unpacking the GPU bundle and installing took 35 s.
-# Start-ups alone come to 613 s. So run_all.sh runs stock-gpu, ft-qstar and ft-fill (about
-# 485 s with the set-up, the sum of those measured parts; not yet run as one call), and a
-# second call
+# start-up in brackets): stock-gpu 182 s (141 s, the first server of a fresh machine),
+# stock-offload 340 s (251 s: SGLang's dummy load plus --cpu-offload-gb takes 187 s),
+# ft-qstar 152 s (91 s), ft-fill 115 s (63 s), ft-cpu 120 s (67 s); each call also spent
+# 35-50 s outside the systems (bundle, install, driver start). Start-ups alone come to
+# 613 s. So run_all.sh runs stock-gpu, ft-qstar and ft-fill (about 500 s, the sum of those
+# measured parts; not yet run as one call), and a second call
 #   bash benchmarks/run_all.sh OUT2 --systems ft-cpu,stock-offload --append OUT/runs.json
-# adds the other two (about 460 s on a warm machine; a later --systems overrides the
+# adds the other two (about 500-510 s from those parts; a later --systems overrides the
 # default: argparse keeps the last).
 # Reduced sizes: workloads scaled by 0.1 (--scale 0.1) with at most 64 decode tokens per
 # request (--decode-cap 64); a 32-token decode benchmark at batch 1 and 4 per system, each
 # request cut after 10 s (--decode-bench 32 --decode-bench-max-s 10); each system's
 # requests get 30 s, shared out between W1, W2 and W4 (--budget-s 30; the table shows the
 # cut, e.g. "5/17 (budget)"). On the H200 the FreeToken systems ran 6-8 of the 38 requests
-# in that budget, stock-gpu all 38, stock-offload none to the end (1.25 tok/s).
+# in that budget, stock-gpu all 38, stock-offload none (its one W1 answer was cut at 40 s).
 #   bash benchmarks/run_all.sh OUT_DIR [extra run_all.py flags]
 set -euo pipefail
 out=${1:?usage: run_all.sh OUT_DIR [flags]}

@@ -49,7 +49,7 @@ def test_run_all_cpu_smoke(tiny_checkpoint, tmp_path):
         assert r["summary"]["planned"] == r["summary"]["requests"] == 1 + 17
         d = r["decode_bench"]  # a real measure_decode against the CPU server
         assert d["bs1_rated"] == 2 and d["bs1_decode_tok_s"] > 0 and d["bs4_total_tok_s"] > 0
-        assert d["cut_requests"] == 0 and d["new_tokens"] == 4
+        assert d["cut_requests"] == 0 and d["warmup_cut_requests"] == 0 and d["new_tokens"] == 4
     w1 = ft["decode_bench"]["bs1_decode_counts"]
     assert w1["reads"] > 0 and w1["hits"] + w1["fills"] + w1["cpu"] == w1["reads"]
     roof = json.loads((out / "roofline.json").read_text())
@@ -176,7 +176,7 @@ def test_ratios_compare_the_same_requests():
     ft = _run("ft-fill", {"W2": dict(requests=4, planned=5, decode=9.0, mean_ttft=3.0,
                                      worst_ttft=4.0)})
     ft["requests"] = [_rec("W2", 0, 3.0, 5.0), _rec("W2", 1, 4.0, 10.0), _rec("W2", 2, 2.0, 12.0),
-                      _rec("W2", 3, None, None, error="cut by the budget after 9.0 s")]
+                      _rec("W2", 3, 0.01, 999.0, error="cut by the budget after 9.0 s")]
     rows = {(r["system"], r["workload"]): r for r in run_all.ratios([gpu, off, ft])}
     f = rows["ft-fill", "W2"]
     # decode: stock-gpu over requests 0-2 = 20 (not its full 30); stock-offload over 0-1 = 1
@@ -200,6 +200,55 @@ def test_ratios_compare_the_same_requests():
     lone = {(r["system"], r["workload"]): r for r in run_all.ratios([gpu, off, ft])}["ft-fill", "W2"]
     assert all(lone[k]["ratio"] is None and lone[k]["compared"] is None
                for k in ("mean_decode_tok_s", "mean_ttft_s", "worst_ttft_s"))
+
+
+def test_best_baseline_is_the_one_the_system_compares_worst_against():
+    """stock-gpu is faster than stock-offload on every request, but stock-offload finished only
+    request 1, an easy one: over its shared requests its mean TTFT (0.3 s) is lower than
+    stock-gpu's over all five (0.36 s). The best baseline is chosen by the ratio, so the
+    system is compared with stock-gpu (3.89x), not with stock-offload (1.67x)."""
+    gpu = _run("stock-gpu", {"W2": dict(requests=5, decode=30.0, mean_ttft=0.36, worst_ttft=1.0)})
+    gpu["requests"] = [_rec("W2", i, t, 30.0) for i, t in enumerate([1.0, 0.2, 0.2, 0.2, 0.2])]
+    off = _run("stock-offload", {"W2": dict(requests=1, planned=5, decode=1.0, mean_ttft=0.3,
+                                            worst_ttft=0.3)})
+    off["requests"] = [_rec("W2", 1, 0.3, 1.0)]
+    ft = _run("ft-fill", {"W2": dict(requests=5, decode=10.0, mean_ttft=1.4, worst_ttft=5.0)})
+    ft["requests"] = [_rec("W2", i, t, 10.0) for i, t in enumerate([5.0, 0.5, 0.5, 0.5, 0.5])]
+    row = {(r["system"], r["workload"]): r for r in run_all.ratios([gpu, off, ft])}["ft-fill", "W2"]
+    m = row["mean_ttft_s"]
+    assert (m["baseline"], m["compared"]) == ("stock-gpu", 5)
+    assert abs(m["ratio"] - 1.4 / 0.36) < 1e-12
+    d = row["mean_decode_tok_s"]  # 10/30 against stock-gpu, 10/1 against stock-offload
+    assert (d["baseline"], d["ratio"]) == ("stock-gpu", 10.0 / 30.0)
+    # a request with other max_tokens is another request: not compared
+    off["requests"] = [dict(_rec("W2", 1, 0.3, 1.0), max_tokens=7)]
+    for r in ft["requests"] + gpu["requests"]:
+        r["max_tokens"] = 64
+    row = {(r["system"], r["workload"]): r for r in run_all.ratios([gpu, off, ft])}["ft-fill", "W2"]
+    assert all(row[k]["baseline"] == "stock-gpu" for k in ("mean_decode_tok_s", "mean_ttft_s", "worst_ttft_s"))
+
+
+def test_nothing_to_run_or_report_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="nothing to run or report"):
+        run_all.main(["--model-path", "unused", "--systems", "", "--out-dir", str(tmp_path)])
+
+
+def test_replay_takes_the_traces_of_this_call_and_of_the_appended_ones(monkeypatch, tmp_path):
+    import subprocess as sp
+
+    for d, names in (("a/traces", ["ft-qstar.npz"]), ("b/traces", ["ft-fill.npz", "ft-cpu.npz", "x.txt"])):
+        (tmp_path / d).mkdir(parents=True)
+        for n in names:
+            (tmp_path / d / n).write_bytes(b"")
+    calls = []
+    monkeypatch.setattr(sp, "run", lambda cmd, check: calls.append(cmd))
+    out = run_all.replay_traces([str(tmp_path / "a/traces"), str(tmp_path / "b/traces"),
+                                 str(tmp_path / "missing")], str(tmp_path / "replay"))
+    assert out == str(tmp_path / "replay") and len(calls) == 1
+    assert calls[0][2:-2] == sorted([str(tmp_path / "a/traces/ft-qstar.npz"),
+                                     str(tmp_path / "b/traces/ft-fill.npz"),
+                                     str(tmp_path / "b/traces/ft-cpu.npz")])
+    assert run_all.replay_traces([str(tmp_path / "missing")], str(tmp_path / "r2")) is None
 
 
 def test_decode_bench_table_and_ratios():
@@ -534,15 +583,39 @@ def test_every_system_s_flags_parse_with_sglang_s_own_parser(tmp_path):
     line = next(l for l in text.splitlines() if l.startswith("exec python3"))
     a = run_all.parser().parse_args(shlex.split(line.split('run_all.py"', 1)[1])[:-3]
                                     + ["--out-dir", str(tmp_path)])
+    # the flags run_one adds itself, then run_all.sh's common flags, then the system's
+    own = ["--enable-cache-report", "--skip-server-warmup", "--load-format", "dummy",
+           "--tokenizer-path", "tok"]
     common = shlex.split(a.common)
-    pool_gib = 54.0  # the Qwen3-30B-A3B shape's routed-expert pool
     seen = {}
     for name in run_all.SYSTEMS:
-        flags = run_all.system_flags(name, a, pool_gib, str(tmp_path))
-        ns = p.parse_args(["--model-path", "m"] + common + flags)
-        seen[name] = ns
-    assert seen["stock-offload"].cpu_offload_gb == round(54.0 * 0.75) == 40
+        flags = run_all.system_flags(name, a, 54.0, str(tmp_path))  # Qwen3-30B-A3B's pool, GiB
+        seen[name] = p.parse_args(["--model-path", "m"] + own + common + flags)
+    assert seen["stock-offload"].cpu_offload_gb == 40  # 40.5 GiB, to the nearest whole GiB
+    nearest = p.parse_args(["--model-path", "m"] + run_all.system_flags("stock-offload", a, 55.6, "t"))
+    assert nearest.cpu_offload_gb == 42  # 41.7 GiB: rounded, not truncated
+    with pytest.raises(ValueError, match="0 whole GiB for SGLang's --cpu-offload-gb"):
+        run_all.system_flags("stock-offload", a, 0.6, "t")  # 0.45 GiB off the GPU
     assert seen["stock-gpu"].cpu_offload_gb == 0
     assert seen["ft-qstar"].freetoken_miss_policy == "qstar"
     assert seen["ft-qstar"].freetoken_cache_ratio == 0.25
     assert seen["ft-allhit"].freetoken_cache_ratio == 1.0
+
+
+def test_h200_session4_ratios_from_its_runs_json():
+    """The committed H200 run (benchmarks/results/h200-2026-11-30/session4/runs.json) gives
+    the ratios RESULTS.md quotes: ft-fill's 5 W2 requests against stock-gpu's first 5."""
+    path = os.path.join(BENCH, "results", "h200-2026-11-30", "session4", "runs.json")
+    runs = json.loads(open(path).read())["runs"]
+    rows = {(r["system"], r["workload"]): r for r in run_all.ratios(runs)}
+    f2 = rows["ft-fill", "W2"]
+    assert [f2[k]["compared"] for k in ("mean_decode_tok_s", "mean_ttft_s", "worst_ttft_s")] == [5, 5, 5]
+    assert {f2[k]["baseline"] for k in ("mean_decode_tok_s", "mean_ttft_s", "worst_ttft_s")} == {"stock-gpu"}
+    assert round(f2["mean_ttft_s"]["ratio"], 2) == 1.49 and round(f2["mean_decode_tok_s"]["ratio"], 2) == 0.16
+    assert round(rows["ft-qstar", "W4"]["mean_ttft_s"]["ratio"], 2) == 13.99
+    assert rows["ft-cpu", "W4"]["worst_ttft_s"]["compared"] == 1
+    # stock-offload finished no request: no ratio of its own
+    assert all(rows["stock-offload", w]["mean_ttft_s"]["ratio"] is None for w in ("W1", "W2", "W4"))
+    roof = {(r["system"], r["workload"]): r for r in run_all.roofline(runs)}
+    assert roof["ft-fill", "W2"]["allhit_compared"] == 5
+    assert round(roof["ft-fill", "W2"]["achieved_over_bound"], 3) == 0.197
