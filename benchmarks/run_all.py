@@ -6,7 +6,8 @@ Systems (``--systems``, comma-separated):
 
 - ``stock-gpu``: stock SGLang, every expert on the GPU (the upper bound, where it fits);
 - ``stock-offload``: stock SGLang with ``--cpu-offload-gb`` set to the expert pool minus
-  FreeToken's cache, to the nearest whole GiB (SGLang takes an int), so that its GPU weight
+  FreeToken's cache, to the nearest whole GiB (SGLang takes an int; Python's ``round``,
+  halves to even), so that its GPU weight
   memory matches FreeToken's budget to within 0.5 GiB;
 - ``ft-qstar``, ``ft-fill``, ``ft-cpu``: FreeToken with each miss policy, the cache at
   ``--cache-ratio`` of the pool, recording routing traces;
@@ -105,8 +106,9 @@ def system_flags(name: str, args, pool_gib: float, trace_dir: str) -> List[str]:
         if round(off) < 1:
             raise ValueError(
                 f"stock-offload: FreeToken keeps {off:.2f} GiB of experts off the GPU, which is "
-                "0 whole GiB for SGLang's --cpu-offload-gb, so it would run as stock-gpu; use a "
-                "model whose off-GPU share is at least 0.5 GiB or a lower --cache-ratio")
+                "0 whole GiB for SGLang's --cpu-offload-gb (Python's round), so it would run as "
+                "stock-gpu; use a model whose off-GPU share is more than 0.5 GiB or a lower "
+                "--cache-ratio")
         return ["--cpu-offload-gb", str(round(off))]
     if name == "ft-allhit":
         return FT + ["--freetoken-cache-ratio", "1.0", "--freetoken-miss-policy", "fill"]
@@ -134,11 +136,15 @@ def roofline(runs: List[dict]) -> List[dict]:
             s, d = w["summary"], (w.get("freetoken") or {}).get("decode")
             tokens = (s.get("completion_tokens") or 0) - s.get("requests", 0)
             row = {"system": r["label"], "workload": name, "achieved_tok_s": s.get("mean_decode_tok_s")}
-            # the all-hit step: the baseline's TPOT over the requests this run finished
-            # (its own summary when either run has no request records)
-            sh = _shared(r, base, name, "tpot_ms") if base else None
-            allhit = (sum(sh[1]) / len(sh[1]) if sh else
-                      base and base["workloads"].get(name, {}).get("summary", {}).get("mean_tpot_ms"))
+            # the all-hit step: the baseline's TPOT over the requests this run finished; its
+            # workload summary when either run has no request records; no bound when both
+            # have records but share no finished request
+            both = base and _records(r, name) is not None and _records(base, name) is not None
+            sh = _shared(r, base, name, "tpot_ms") if both else None
+            if both:
+                allhit = sum(sh[1]) / len(sh[1]) if sh else None
+            else:
+                allhit = base and base["workloads"].get(name, {}).get("summary", {}).get("mean_tpot_ms")
             if d and tokens > 0 and bw and allhit:
                 misses_per_token = (d["fills"] + d["cpu"]) / tokens
                 t = allhit / 1e3 + misses_per_token * expert_bytes / (max(bw["B_P"], bw["B_H"]) * 1e9)
@@ -163,7 +169,8 @@ def roofline_markdown(rows: List[dict]) -> str:
             continue
         out.append(
             f"| {r['system']} | {r['workload']} | {r['achieved_tok_s']:.2f} | "
-            f"{r['misses_per_token']:.1f} | {r['allhit_tpot_ms']:.2f} ({r['allhit_from']}) | "
+            f"{r['misses_per_token']:.1f} | {r['allhit_tpot_ms']:.2f} ({r['allhit_from']}"
+            + (f", {r['allhit_compared']} req." if r.get("allhit_compared") else "") + ") | "
             f"{r['bound_tok_s']:.2f} | {r['achieved_over_bound']:.3f} |"
         )
     return "\n".join(out)
@@ -252,11 +259,23 @@ def _request_key(rec: dict) -> tuple:
 
 def _records(run: dict, name: str) -> Optional[Dict[tuple, dict]]:
     """The finished requests of one workload of a run by ``_request_key``; None when the run
-    carries no request records at all (a hand-made or summary-only run)."""
+    carries no request records at all (a hand-made or summary-only run).
+
+    Raises:
+        ValueError: two finished requests share a key (the workload ran twice)."""
     recs = run.get("requests")
     if not recs:
         return None
-    return {_request_key(r): r for r in recs if r.get("workload") == name and not r.get("error")}
+    out: Dict[tuple, dict] = {}
+    for r in recs:
+        if r.get("workload") == name and not r.get("error"):
+            key = _request_key(r)
+            if key in out:
+                raise ValueError(f"run {run.get('label')!r}: two finished requests of workload "
+                                 f"{name} with the same index, token cap, messages and edits "
+                                 f"{key}; a workload must run once per system")
+            out[key] = r
+    return out
 
 
 def _shared(a: dict, b: dict, name: str, field: str) -> Optional[Tuple[List[float], List[float]]]:
@@ -302,7 +321,8 @@ def ratios(runs: Sequence[dict]) -> List[dict]:
     Each system is paired with each baseline (``_pair``): over the requests both finished
     when both runs carry request records (every run of ``serve_bench``), else over their
     workload summaries. The best baseline is the one the system compares worst against:
-    the lowest ratio for decode tok/s, the highest for TTFT."""
+    the lowest ratio for decode tok/s, the highest for TTFT, among the same-request pairs
+    when there are any, else among the summary pairs."""
     rows = []
     for r in runs:  # in run order, as the serve_bench table
         for name in r.get("workloads", {}):
@@ -312,8 +332,10 @@ def ratios(runs: Sequence[dict]) -> List[dict]:
             for k, _, hi in WORKLOAD_METRICS:
                 pairs = [p for b in runs if is_baseline(b["label"])
                          for p in [_pair(r, b, name, k)] if p is not None]
+                # same-request comparisons, where there are any, before summary ones
+                same = [p for p in pairs if p["compared"] is not None]
                 if pairs:
-                    c = (min if hi else max)(pairs, key=lambda p: p["ratio"])
+                    c = (min if hi else max)(same or pairs, key=lambda p: p["ratio"])
                 else:
                     c = {"value": _num(s.get(k)), "baseline": None, "baseline_value": None,
                          "ratio": None, "compared": None, "unequal_requests": False}
@@ -386,6 +408,8 @@ def decode_markdown(runs: Sequence[dict]) -> str:
             continue
         w1, w4 = d.get("bs1_decode_counts") or {}, d.get("bs4_decode_counts") or {}
         cut = f" ({d['cut_requests']} requests cut at {d.get('max_request_s')} s)" if d.get("cut_requests") else ""
+        if d.get("warmup_cut_requests"):
+            cut += f" ({d['warmup_cut_requests']} warm-up requests cut)"
         out.append(
             f"| {r['label']}{cut} | {fmt(d.get('bs1_decode_tok_s'), 2)} | {fmt(d.get('bs4_total_tok_s'), 2)} "
             f"| {fmt(w1.get('hit_rate'))} | {fmt(w4.get('hit_rate'))} | {fmt(share(w1))} "
@@ -426,11 +450,17 @@ def plot(runs: List[dict], path: str) -> None:
     plt.close(fig)
 
 
-def replay_traces(trace_dirs: Sequence[str], out_dir: str) -> Optional[str]:
-    """Replay every recorded trace of ``trace_dirs`` (this call's and those next to each
-    ``--append`` file) through the cache policies together (``replay.py``)."""
-    traces = sorted({os.path.join(d, f) for d in trace_dirs if os.path.isdir(d)
-                     for f in os.listdir(d) if f.endswith(".npz")})
+def replay_traces(trace_dirs: Sequence[str], out_dir: str,
+                  trace_files: Sequence[str] = ()) -> Optional[str]:
+    """Replay every recorded trace, each once, through the cache policies together
+    (``replay.py``): the ``.npz`` files of ``trace_dirs`` (this call's and those next to each
+    ``--append`` file) and those of ``trace_files`` that exist (each run's
+    ``--freetoken-record-routing`` path, which reaches runs appended more than one call back
+    when they were recorded on this machine)."""
+    found = [os.path.join(d, f) for d in trace_dirs if os.path.isdir(d)
+             for f in os.listdir(d) if f.endswith(".npz")]
+    found += [f for f in trace_files if os.path.isfile(f)]
+    traces = sorted({os.path.realpath(f) for f in found})
     if not traces:
         return None
     import subprocess
@@ -634,6 +664,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"{flag} must be a positive number of seconds, not {v}")
     if a.decode_bench < 0 or a.decode_bench == 1:
         raise SystemExit(f"--decode-bench wants 0 (off) or at least 2 tokens, not {a.decode_bench}")
+    wl = [w.strip() for w in a.workloads.split(",")]
+    if len(set(wl)) != len(wl):
+        raise SystemExit(f"--workloads {a.workloads}: a workload is named twice; name each once")
     if not names and not a.append:
         raise SystemExit("nothing to run or report: give --systems, or --append RUNS_JSON to "
                          "render an earlier run's report")
@@ -685,8 +718,11 @@ def main(argv=None) -> int:
     if runs:
         plot(runs, os.path.join(a.out_dir, "serving.png"))
     if not a.no_replay:
+        recorded = [f[i + 1] for r in runs for f in [(r.get("system") or {}).get("flags") or []]
+                    for i, x in enumerate(f[:-1]) if x == "--freetoken-record-routing"]
         replay_traces([trace_dir] + [os.path.join(os.path.dirname(os.path.abspath(p)), "traces")
-                                     for p in a.append], os.path.join(a.out_dir, "replay"))
+                                     for p in a.append], os.path.join(a.out_dir, "replay"),
+                      recorded)
     print(report)
     return 1 if len(errors) > n_appended_errors else 0  # this call's failures only
 

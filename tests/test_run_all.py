@@ -202,7 +202,7 @@ def test_ratios_compare_the_same_requests():
                for k in ("mean_decode_tok_s", "mean_ttft_s", "worst_ttft_s"))
 
 
-def test_best_baseline_is_the_one_the_system_compares_worst_against():
+def test_best_baseline_is_the_one_the_system_compares_worst_against(tmp_path):
     """stock-gpu is faster than stock-offload on every request, but stock-offload finished only
     request 1, an easy one: over its shared requests its mean TTFT (0.3 s) is lower than
     stock-gpu's over all five (0.36 s). The best baseline is chosen by the ratio, so the
@@ -224,8 +224,31 @@ def test_best_baseline_is_the_one_the_system_compares_worst_against():
     off["requests"] = [dict(_rec("W2", 1, 0.3, 1.0), max_tokens=7)]
     for r in ft["requests"] + gpu["requests"]:
         r["max_tokens"] = 64
-    row = {(r["system"], r["workload"]): r for r in run_all.ratios([gpu, off, ft])}["ft-fill", "W2"]
-    assert all(row[k]["baseline"] == "stock-gpu" for k in ("mean_decode_tok_s", "mean_ttft_s", "worst_ttft_s"))
+    assert run_all._pair(ft, off, "W2", "mean_ttft_s") is None
+    off["requests"] = [dict(_rec("W2", 1, 0.3, 1.0), max_tokens=64)]  # now the same request
+    assert run_all._pair(ft, off, "W2", "mean_ttft_s")["compared"] == 1
+    # a workload that ran twice in one run is refused, not merged
+    ft["requests"].append(dict(ft["requests"][0]))
+    with pytest.raises(ValueError, match="a workload must run once per system"):
+        run_all.ratios([gpu, off, ft])
+    with pytest.raises(SystemExit, match="a workload is named twice"):
+        run_all.main(["--model-path", "unused", "--workloads", "W2,W2", "--out-dir", str(tmp_path)])
+
+
+def test_a_summary_only_baseline_does_not_outrank_a_same_request_one():
+    """Two baselines with the same numbers, one with request records and one without: the
+    same-request comparison (2.0) is chosen, not the summary one of different request sets."""
+    gpu = _run("stock-gpu", {"W2": dict(requests=5, decode=30.0, mean_ttft=0.3, worst_ttft=1.0)})
+    gpu["requests"] = [_rec("W2", i, 0.5, 30.0) for i in range(5)]
+    summ = _run("stock-offload", {"W2": dict(requests=5, decode=30.0, mean_ttft=0.15, worst_ttft=1.0)})
+    ft = _run("ft-fill", {"W2": dict(requests=2, planned=5, decode=10.0, mean_ttft=1.0, worst_ttft=1.0)})
+    ft["requests"] = [_rec("W2", i, 1.0, 10.0) for i in range(2)]
+    m = {(r["system"], r["workload"]): r for r in run_all.ratios([gpu, summ, ft])}["ft-fill", "W2"]["mean_ttft_s"]
+    assert (m["baseline"], m["compared"], m["ratio"], m["unequal_requests"]) == ("stock-gpu", 2, 2.0, False)
+    # with only the summary baseline, the summary comparison is made and marked
+    m = {(r["system"], r["workload"]): r for r in run_all.ratios([summ, ft])}["ft-fill", "W2"]["mean_ttft_s"]
+    assert (m["baseline"], m["compared"], m["unequal_requests"]) == ("stock-offload", None, True)
+    assert abs(m["ratio"] - 1.0 / 0.15) < 1e-12
 
 
 def test_nothing_to_run_or_report_is_refused(tmp_path):
@@ -245,10 +268,21 @@ def test_replay_takes_the_traces_of_this_call_and_of_the_appended_ones(monkeypat
     out = run_all.replay_traces([str(tmp_path / "a/traces"), str(tmp_path / "b/traces"),
                                  str(tmp_path / "missing")], str(tmp_path / "replay"))
     assert out == str(tmp_path / "replay") and len(calls) == 1
-    assert calls[0][2:-2] == sorted([str(tmp_path / "a/traces/ft-qstar.npz"),
-                                     str(tmp_path / "b/traces/ft-fill.npz"),
-                                     str(tmp_path / "b/traces/ft-cpu.npz")])
+    want = sorted(os.path.realpath(str(tmp_path / f)) for f in
+                  ("a/traces/ft-qstar.npz", "b/traces/ft-fill.npz", "b/traces/ft-cpu.npz"))
+    assert calls[0][2:-2] == want
     assert run_all.replay_traces([str(tmp_path / "missing")], str(tmp_path / "r2")) is None
+    # a trace reached twice (a relative and an absolute folder, and a recorded path) and a
+    # recorded trace of an older call's folder: each replayed once
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "ft-old.npz").write_bytes(b"")
+    calls.clear()
+    monkeypatch.chdir(tmp_path)
+    run_all.replay_traces(["a/traces", str(tmp_path / "a/traces")], "r3",
+                          [str(tmp_path / "a/traces/ft-qstar.npz"), str(tmp_path / "c/ft-old.npz"),
+                           str(tmp_path / "c/gone.npz")])
+    assert calls[0][2:-2] == sorted([os.path.realpath(str(tmp_path / "a/traces/ft-qstar.npz")),
+                                     os.path.realpath(str(tmp_path / "c/ft-old.npz"))])
 
 
 def test_decode_bench_table_and_ratios():
@@ -619,3 +653,41 @@ def test_h200_session4_ratios_from_its_runs_json():
     roof = {(r["system"], r["workload"]): r for r in run_all.roofline(runs)}
     assert roof["ft-fill", "W2"]["allhit_compared"] == 5
     assert round(roof["ft-fill", "W2"]["achieved_over_bound"], 3) == 0.197
+
+
+def test_measure_decode_counts_cut_warm_ups_and_the_report_shows_them(monkeypatch):
+    """A warm-up request cut at max_request_s is counted apart from the measured ones and
+    named in the decode table."""
+    import bench_decode
+
+    calls = []
+
+    def fake(url, prompt, n, max_s):
+        calls.append(n)
+        cut = len(calls) == 2  # the first request of the batch-4 warm-up
+        return {"tokens": n, "ttft_s": 0.1, "decode_tok_s": 50.0, "cut": cut}
+
+    monkeypatch.setattr(bench_decode, "stream_generate", fake)
+    monkeypatch.setattr(bench_decode, "freetoken_stats", lambda url: None)
+    d = bench_decode.measure_decode("http://x", 8, 4, 2, max_request_s=1.0)
+    assert calls == [16] * 5 + [4] * 6  # 1 + 4 warm-up, 2 at batch 1, 4 at batch 4
+    assert (d["warmup_cut_requests"], d["cut_requests"]) == (1, 0)
+    run = _run("ft-fill", {"W1": dict(decode=5.0, mean_ttft=1.0, worst_ttft=1.0)},
+               dict(d, new_tokens=4, input_len=8, max_request_s=1.0))
+    assert "| ft-fill (1 warm-up requests cut) |" in run_all.decode_markdown([run])
+
+
+def test_roofline_gives_no_bound_without_a_shared_request():
+    """Both runs have request records but share no finished request: no all-hit step is
+    taken from other requests, so no bound."""
+    gpu = _run("stock-gpu", {"W2": dict(requests=1, decode=30.0, mean_ttft=0.3, worst_ttft=0.3)})
+    gpu["requests"] = [dict(_rec("W2", 0, 0.3, 30.0), tpot_ms=33.0)]
+    ft = _run("ft-fill", {"W2": dict(requests=1, planned=2, decode=10.0, mean_ttft=1.0, worst_ttft=1.0)})
+    ft["requests"] = [dict(_rec("W2", 1, 1.0, 10.0), tpot_ms=100.0)]
+    ft["freetoken"] = {"after": {"pool": {"expert_bytes": 1 << 20}, "bandwidth": {"B_P": 10.0, "B_H": 20.0}}}
+    ft["workloads"]["W2"]["freetoken"] = {"decode": {"fills": 5, "cpu": 5}}
+    (row,) = run_all.roofline([gpu, ft])
+    assert "bound_tok_s" not in row
+    ft["requests"].append(dict(_rec("W2", 0, 1.0, 10.0), tpot_ms=100.0))  # now request 0 is shared
+    (row,) = run_all.roofline([gpu, ft])
+    assert (row["allhit_tpot_ms"], row["allhit_compared"]) == (33.0, 1)
