@@ -97,17 +97,17 @@ def measure_decode(url: str, input_len: int, new_tokens: int, repeats: int,
                    seed: int = 0, max_request_s: Optional[float] = None,
                    vocab_size: int = 100000) -> Dict[str, object]:
     """Decode speed of a running server: a warm-up request and a warm-up batch of 4 (their
-    misses fill the cache), then ``repeats`` requests at batch 1 and 4 concurrent requests, on prompts of
-    ``input_len`` random token ids below ``vocab_size``, ``new_tokens`` greedy tokens each.
+    misses fill the cache), then ``repeats`` requests at batch 1 and 4 concurrent requests,
+    on prompts of ``input_len`` random token ids below ``vocab_size``, ``new_tokens`` greedy
+    tokens each.
 
     Returns ``bs1_decode_tok_s`` (mean of the per-request tok/s, over requests with at least
     2 tokens; ``bs1_rated`` says how many), ``bs1_ttft_s`` (s), ``bs4_decode_tok_s_per_req``,
     ``bs4_total_tok_s`` (all tokens of the 4 / wall time), ``cut_requests`` (cut at
-    ``max_request_s`` s, for slow systems such as ``--cpu-offload-gb``), ``warmup_cut_requests``
-    (warm-up requests cut likewise; a cut request is aborted, and its last steps may still
-    run in the batch-1 window) and, on a FreeToken
-    server, the decode-phase counters of each window (``bs1_decode_counts``,
-    ``bs4_decode_counts``). Rates are None when no request gave one.
+    ``max_request_s`` s, for slow systems such as ``--cpu-offload-gb``),
+    ``warmup_cut_requests`` (warm-up requests cut likewise; a cut request is aborted, and its
+    last steps may still run in the batch-1 window) and, on a FreeToken server, the
+    decode-phase counters of each window (``bs1_decode_counts``, ``bs4_decode_counts``). Rates are None when no request gave one.
 
     Raises:
         ValueError: ``repeats`` < 1, ``new_tokens`` < 2 or ``max_request_s`` <= 0.

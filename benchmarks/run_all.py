@@ -7,8 +7,8 @@ Systems (``--systems``, comma-separated):
 - ``stock-gpu``: stock SGLang, every expert on the GPU (the upper bound, where it fits);
 - ``stock-offload``: stock SGLang with ``--cpu-offload-gb`` set to the expert pool minus
   FreeToken's cache, to the nearest whole GiB (SGLang takes an int; Python's ``round``,
-  halves to even), so that its GPU weight
-  memory matches FreeToken's budget to within 0.5 GiB;
+  halves to even), so that its GPU weight memory matches FreeToken's budget to within
+  0.5 GiB;
 - ``ft-qstar``, ``ft-fill``, ``ft-cpu``: FreeToken with each miss policy, the cache at
   ``--cache-ratio`` of the pool, recording routing traces;
 - ``ft-allhit``: FreeToken with every expert resident, for the roofline's all-hit step time.
@@ -103,13 +103,14 @@ def system_flags(name: str, args, pool_gib: float, trace_dir: str) -> List[str]:
         # SGLang's --cpu-offload-gb takes whole GiB (an int): the nearest to the pool's share
         # that FreeToken keeps off the GPU (40 for the Qwen3-30B-A3B shape's 40.5 at 25%).
         off = pool_gib * (1 - args.cache_ratio)
-        if round(off) < 1:
+        gib = round(off)
+        if gib < 1:
             raise ValueError(
                 f"stock-offload: FreeToken keeps {off:.2f} GiB of experts off the GPU, which is "
                 "0 whole GiB for SGLang's --cpu-offload-gb (Python's round), so it would run as "
                 "stock-gpu; use a model whose off-GPU share is more than 0.5 GiB or a lower "
                 "--cache-ratio")
-        return ["--cpu-offload-gb", str(round(off))]
+        return ["--cpu-offload-gb", str(gib)]
     if name == "ft-allhit":
         return FT + ["--freetoken-cache-ratio", "1.0", "--freetoken-miss-policy", "fill"]
     if name.startswith("ft-"):
@@ -139,10 +140,10 @@ def roofline(runs: List[dict]) -> List[dict]:
             # the all-hit step: the baseline's TPOT over the requests this run finished; its
             # workload summary when either run has no request records; no bound when both
             # have records but share no finished request
-            both = base and _records(r, name) is not None and _records(base, name) is not None
+            both = base and _has_records(r) and _has_records(base)
             sh = _shared(r, base, name, "tpot_ms") if both else None
             if both:
-                allhit = sum(sh[1]) / len(sh[1]) if sh else None
+                allhit = serve_bench.mean_of(sh[1]) if sh else None
             else:
                 allhit = base and base["workloads"].get(name, {}).get("summary", {}).get("mean_tpot_ms")
             if d and tokens > 0 and bw and allhit:
@@ -239,8 +240,8 @@ def _ratio(v: Optional[float], best: Optional[Tuple[dict, float]]) -> dict:
 
 # Per workload metric: the request-record field it aggregates over the compared requests, and how.
 PER_REQUEST = {
-    "mean_decode_tok_s": ("decode_tok_s", lambda xs: sum(xs) / len(xs)),
-    "mean_ttft_s": ("ttft_s", lambda xs: sum(xs) / len(xs)),
+    "mean_decode_tok_s": ("decode_tok_s", serve_bench.mean_of),
+    "mean_ttft_s": ("ttft_s", serve_bench.mean_of),
     "worst_ttft_s": ("ttft_s", max),
 }
 SAME_REQUESTS_NOTE = ("Ratios over records compare the same requests: those of the workload "
@@ -257,17 +258,22 @@ def _request_key(rec: dict) -> tuple:
     return (rec["index"], rec.get("max_tokens"), rec.get("messages"), tuple(rec.get("edits") or ()))
 
 
+def _has_records(run: dict) -> bool:
+    """Whether a run carries request records (every run of ``serve_bench`` does; a
+    hand-made or summary-only run does not)."""
+    return bool(run.get("requests"))
+
+
 def _records(run: dict, name: str) -> Optional[Dict[tuple, dict]]:
     """The finished requests of one workload of a run by ``_request_key``; None when the run
     carries no request records at all (a hand-made or summary-only run).
 
     Raises:
         ValueError: two finished requests share a key (the workload ran twice)."""
-    recs = run.get("requests")
-    if not recs:
+    if not _has_records(run):
         return None
     out: Dict[tuple, dict] = {}
-    for r in recs:
+    for r in run["requests"]:
         if r.get("workload") == name and not r.get("error"):
             key = _request_key(r)
             if key in out:
@@ -295,7 +301,7 @@ def _pair(r: dict, b: dict, name: str, k: str) -> Optional[dict]:
     """Metric ``k`` of system ``r`` against baseline ``b`` on workload ``name``: over the
     requests both finished when both carry records, else over each one's summary (marked
     ``unequal_requests`` when their request counts differ). None without two positive values."""
-    if _records(r, name) is not None and _records(b, name) is not None:
+    if _has_records(r) and _has_records(b):
         field, agg = PER_REQUEST[k]
         sh = _shared(r, b, name, field)
         if sh is None:
