@@ -2,17 +2,16 @@
 # Runs systems on the agent workloads and writes one combined table, ratios against the best
 # baseline, plots, roofline and replay plots (benchmarks/run_all.py). Default: the
 # Qwen3-30B-A3B shape with dummy weights, the cache at 25% of the pool.
-# The five systems do not fit one 10-minute GPU call on the Qwen3-30B-A3B shape. Measured on
-# the H200 (2026-11-30, session 4; time per system from its start to its server's stop,
-# start-up in brackets): stock-gpu 182 s (141 s, the first server of a fresh machine),
-# stock-offload 340 s (251 s: SGLang's dummy load plus --cpu-offload-gb takes 187 s),
-# ft-qstar 152 s (91 s), ft-fill 115 s (63 s), ft-cpu 120 s (67 s); each call also spent
-# 35-50 s outside the systems (bundle, install, driver start). Start-ups alone come to
-# 613 s. So run_all.sh runs stock-gpu, ft-qstar and ft-fill (about 500 s, the sum of those
-# measured parts; not yet run as one call), and a second call
-#   bash benchmarks/run_all.sh OUT2 --systems ft-cpu,stock-offload --append OUT/runs.json
-# adds the other two (about 500-510 s from those parts; a later --systems overrides the
-# default: argparse keeps the last).
+# The five systems do not fit one 10-minute GPU call on the Qwen3-30B-A3B shape, so they run
+# as two calls. Measured on the H200 (2026-11-30, session 5; each call includes ~25 s of
+# bundle check and install; per system, start to stop, start-up in brackets):
+#   bash benchmarks/run_all.sh OUT --no-replay            466 s: stock-gpu 158 s (120 s, a
+#       fresh machine), ft-qstar 144 s (84 s), ft-fill 122 s (60 s)
+#   bash benchmarks/run_all.sh OUT2 --no-replay --systems ft-cpu,stock-offload --append OUT/runs.json
+#                                                         473 s: ft-cpu 118 s (60 s),
+#       stock-offload 320 s (221 s; SGLang's dummy load with --cpu-offload-gb takes 162 s)
+# The second call's report is the combined table of all five (a later --systems overrides the
+# default: argparse keeps the last). The five systems together take 862 s, start-ups 545 s.
 # Reduced sizes: workloads scaled by 0.1 (--scale 0.1) with at most 64 decode tokens per
 # request (--decode-cap 64); a 32-token decode benchmark at batch 1 and 4 per system, each
 # request cut after 10 s (--decode-bench 32 --decode-bench-max-s 10); each system's
