@@ -3,8 +3,8 @@
 # baseline, plots, roofline and replay plots (benchmarks/run_all.py). Default: the
 # Qwen3-30B-A3B shape with dummy weights, the cache at 25% of the pool.
 # The five systems do not fit one 10-minute GPU call on the Qwen3-30B-A3B shape, so they run
-# as two calls. Measured on the H200 (2026-11-30, session 5; each call includes ~25 s of
-# bundle check and install; per system, start to stop, start-up in brackets):
+# as two calls. Measured on the H200 (2026-11-30, session 5; each call includes 22-28 s of
+# bundle check or unpack and install; per system, start to stop, start-up in brackets):
 #   bash benchmarks/run_all.sh OUT --no-replay            466 s: stock-gpu 158 s (120 s, a
 #       fresh machine), ft-qstar 144 s (84 s), ft-fill 122 s (60 s)
 #   bash benchmarks/run_all.sh OUT2 --no-replay --systems ft-cpu,stock-offload --append OUT/runs.json

@@ -122,8 +122,23 @@ class GpuMemorySampler:
         self._t.join(timeout=5)
 
 
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def stop_servers_on_sigterm() -> None:
+    """Make SIGTERM (what ``timeout`` and job schedulers send) raise SystemExit in the main
+    thread, so that ``with Server(...)`` blocks stop their servers on the way out. Without it
+    Python dies at once and the server, in a session of its own, keeps running (and keeps its
+    GPU memory and pinned host memory). A handler someone else installed is left alone."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _raise_exit)
+
+
 class Server:
-    """A running ``launch_server`` (use as a context manager; stopped on exit).
+    """A running ``launch_server`` (use as a context manager; stopped on exit, also when the
+    benchmark gets SIGTERM: ``stop_servers_on_sigterm``).
 
     Args:
         model_path: the model (or a shape directory with ``--load-format dummy`` in flags).
@@ -144,6 +159,7 @@ class Server:
         self.cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
                     "--port", str(self.port), *(CPU_FLAGS if cpu else []), *flags]
         self._log = open(log_path, "w")
+        stop_servers_on_sigterm()
         t0 = time.time()
         # Its own process group, so that stopping it also stops the scheduler and
         # detokenizer processes it spawned.

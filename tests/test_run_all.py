@@ -691,3 +691,64 @@ def test_roofline_gives_no_bound_without_a_shared_request():
     ft["requests"].append(dict(_rec("W2", 0, 1.0, 10.0), tpot_ms=100.0))  # now request 0 is shared
     (row,) = run_all.roofline([gpu, ft])
     assert (row["allhit_tpot_ms"], row["allhit_compared"]) == (33.0, 1)
+
+
+FAKE_LAUNCH_SERVER = '''
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_server_stopped_when_the_benchmark_gets_sigterm(tmp_path):
+    """``timeout 600 bash benchmarks/run_all.sh ...`` sends SIGTERM: the server the benchmark
+    started (in its own session) must stop with it, not outlive it holding the GPU and the
+    pinned pool. Uses a stand-in ``sglang.launch_server`` that only answers /health."""
+    import signal
+    import time
+
+    pkg = tmp_path / "fake" / "sglang"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
+    child = (
+        "import sys, time\n"
+        f"sys.path.insert(0, {BENCH!r})\n"
+        "from servers import Server\n"
+        f"with Server('unused', [], {str(tmp_path / 'server.log')!r}, timeout=60) as s:\n"
+        "    print(s.proc.pid, flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"), NO_PROXY="127.0.0.1",
+               no_proxy="127.0.0.1")
+    proc = subprocess.Popen([sys.executable, "-c", child], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    server_pid = None
+    try:
+        server_pid = int(proc.stdout.readline())
+        assert _alive(server_pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM, proc.stderr.read()
+        deadline = time.time() + 10
+        while _alive(server_pid) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _alive(server_pid), "the server outlived the benchmark that started it"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if server_pid is not None and _alive(server_pid):
+            os.kill(server_pid, signal.SIGKILL)
