@@ -28,7 +28,7 @@ import requests
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serve_bench  # noqa: E402
 from serve_bench import freetoken_stats  # noqa: E402
-from servers import SHAPES, GpuMemorySampler, Server, write_shape  # noqa: E402
+from servers import SHAPES, GpuMemorySampler, Server, stop_servers_on_sigterm, write_shape  # noqa: E402
 
 def stream_generate(url: str, input_ids: List[int], new_tokens: int,
                     max_s: Optional[float] = None) -> Dict[str, object]:
@@ -93,6 +93,17 @@ def stream_generate(url: str, input_ids: List[int], new_tokens: int,
             "decode_tok_s": decode, "tokens": n, "cut": cut}
 
 
+def concurrently(fn, items: list) -> list:
+    """``[fn(x) for x in items]``, all at once on threads. On an exception (SIGTERM's
+    SystemExit included) it returns at once, without waiting for the requests in flight, so
+    that the caller's ``Server`` is stopped next; their threads end when the server goes."""
+    ex = ThreadPoolExecutor(len(items))
+    try:
+        return list(ex.map(fn, items))
+    finally:
+        ex.shutdown(wait=False, cancel_futures=True)
+
+
 def measure_decode(url: str, input_len: int, new_tokens: int, repeats: int,
                    seed: int = 0, max_request_s: Optional[float] = None,
                    vocab_size: int = 100000) -> Dict[str, object]:
@@ -123,9 +134,8 @@ def measure_decode(url: str, input_len: int, new_tokens: int, repeats: int,
     # compile or tune kernels for those shapes (on the H200, 2026-11-30, stock SGLang's first
     # 4-request batch took about 2.4 s more than its decode), which is not decode time.
     warm = [stream_generate(url, prompt(), 16, max_request_s)]
-    with ThreadPoolExecutor(4) as ex:
-        warm += list(ex.map(lambda p: stream_generate(url, p, 16, max_request_s),
-                            [prompt() for _ in range(4)]))
+    warm += concurrently(lambda p: stream_generate(url, p, 16, max_request_s),
+                         [prompt() for _ in range(4)])
     result: Dict[str, object] = {}
     before_bs1 = freetoken_stats(url)
     b1 = [stream_generate(url, prompt(), new_tokens, max_request_s) for _ in range(repeats)]
@@ -133,11 +143,10 @@ def measure_decode(url: str, input_len: int, new_tokens: int, repeats: int,
     result["bs1_decode_tok_s"] = serve_bench.mean_of(r["decode_tok_s"] for r in b1)
     result["bs1_rated"] = sum(r["decode_tok_s"] is not None for r in b1)
     result["bs1_ttft_s"] = serve_bench.mean_of(r["ttft_s"] for r in b1)
-    with ThreadPoolExecutor(4) as ex:
-        t_b = time.perf_counter()
-        b4 = list(ex.map(lambda p: stream_generate(url, p, new_tokens, max_request_s),
-                         [prompt() for _ in range(4)]))
-        wall = time.perf_counter() - t_b
+    prompts = [prompt() for _ in range(4)]
+    t_b = time.perf_counter()
+    b4 = concurrently(lambda p: stream_generate(url, p, new_tokens, max_request_s), prompts)
+    wall = time.perf_counter() - t_b
     result["bs4_decode_tok_s_per_req"] = serve_bench.mean_of(r["decode_tok_s"] for r in b4)
     result["bs4_total_tok_s"] = sum(r["tokens"] for r in b4) / wall
     result["cut_requests"] = sum(r["cut"] for r in b1 + b4)
@@ -167,7 +176,8 @@ def run_system(label, model_path, flags, args, sampler, log_dir) -> Dict[str, ob
         result["startup_s"] = server.startup_s
         result["peak_gpu_gib_load"] = sampler.peak_gib()
         sampler.reset()
-        result.update(measure_decode(url, args.input_len, args.new_tokens, args.repeats))
+        result.update(measure_decode(url, args.input_len, args.new_tokens, args.repeats,
+                                     max_request_s=args.max_request_s))
         result["peak_gpu_gib_serving"] = sampler.peak_gib()
         s = freetoken_stats(url)
         if s is not None:
@@ -244,8 +254,13 @@ def main(argv=None):
     ap.add_argument("--common", default="--disable-prefill-cuda-graph --max-total-tokens 16384",
                     help="flags given to every system (space-separated)")
     ap.add_argument("--start-timeout", type=float, default=600)
+    ap.add_argument("--max-request-s", type=float, default=None,
+                    help="cut each request after this many seconds (slow systems such as "
+                         "--cpu-offload-gb); cut requests are counted in the results")
     ap.add_argument("--out-dir", default=tempfile.mkdtemp(prefix="ft-bench-"))
     a = ap.parse_args(argv)
+    if a.max_request_s is not None and not a.max_request_s > 0:
+        raise SystemExit(f"--max-request-s must be a positive number of seconds, not {a.max_request_s}")
     os.makedirs(a.out_dir, exist_ok=True)
     model = write_shape(a.shape, a.out_dir)
     sampler = GpuMemorySampler()
@@ -269,4 +284,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    stop_servers_on_sigterm()  # here, not in main(): tests call main() inside pytest
     main()

@@ -60,7 +60,7 @@ sys.path.insert(0, HERE)
 
 import bench_decode  # noqa: E402
 import serve_bench  # noqa: E402
-from servers import GpuMemorySampler, Server, write_shape  # noqa: E402
+from servers import GpuMemorySampler, Server, stop_servers_on_sigterm, write_shape  # noqa: E402
 
 FT = ["--enable-freetoken"]
 
@@ -734,4 +734,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    stop_servers_on_sigterm()  # here, not in main(): tests call main() inside pytest
     sys.exit(main())

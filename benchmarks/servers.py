@@ -123,22 +123,31 @@ class GpuMemorySampler:
 
 
 def _raise_exit(signum, frame):
+    # One-shot: a second SIGTERM (``timeout`` signals the process, then its group) must not
+    # interrupt the cleanup this one starts.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 
-def stop_servers_on_sigterm() -> None:
-    """Make SIGTERM (what ``timeout`` and job schedulers send) raise SystemExit in the main
-    thread, so that ``with Server(...)`` blocks stop their servers on the way out. Without it
-    Python dies at once and the server, in a session of its own, keeps running (and keeps its
-    GPU memory and pinned host memory). A handler someone else installed is left alone."""
-    if (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
-        signal.signal(signal.SIGTERM, _raise_exit)
+def stop_servers_on_sigterm() -> bool:
+    """For a benchmark's ``main``: make SIGTERM (what ``timeout`` and job schedulers send)
+    raise ``SystemExit(143)`` in the main thread, so that ``with Server(...)`` blocks stop
+    their servers on the way out. Without it Python dies at once and the server, in a session
+    of its own, keeps running with its GPU memory and pinned host memory.
+
+    Only the benchmark scripts call it, not ``Server``: a test process (pytest) keeps its own
+    SIGTERM behaviour. Returns False, installing nothing, off the main thread or where a
+    SIGTERM handler other than the default is already set (that handler is left alone)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        return False
+    signal.signal(signal.SIGTERM, _raise_exit)
+    return True
 
 
 class Server:
-    """A running ``launch_server`` (use as a context manager; stopped on exit, also when the
-    benchmark gets SIGTERM: ``stop_servers_on_sigterm``).
+    """A running ``launch_server`` (use as a context manager; stopped on exit, and on SIGTERM
+    where the script called ``stop_servers_on_sigterm``).
 
     Args:
         model_path: the model (or a shape directory with ``--load-format dummy`` in flags).
@@ -159,7 +168,6 @@ class Server:
         self.cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
                     "--port", str(self.port), *(CPU_FLAGS if cpu else []), *flags]
         self._log = open(log_path, "w")
-        stop_servers_on_sigterm()
         t0 = time.time()
         # Its own process group, so that stopping it also stops the scheduler and
         # detokenizer processes it spawned.
@@ -198,19 +206,22 @@ class Server:
         return float(m.group(1)) if m else None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if not self._log.closed:
-            self._log.close()
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(timeout=30)
+        finally:
+            # The whole group (scheduler, detokenizer), even when the wait was interrupted.
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            if not self._log.closed:
+                self._log.close()
 
     def __enter__(self) -> "Server":
         return self
