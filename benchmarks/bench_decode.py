@@ -17,6 +17,7 @@ import json
 import os
 import random
 import re
+import math
 import sys
 import tempfile
 import time
@@ -94,14 +95,18 @@ def stream_generate(url: str, input_ids: List[int], new_tokens: int,
 
 
 def concurrently(fn, items: list) -> list:
-    """``[fn(x) for x in items]``, all at once on threads. On an exception (SIGTERM's
-    SystemExit included) it returns at once, without waiting for the requests in flight, so
-    that the caller's ``Server`` is stopped next; their threads end when the server goes."""
+    """``[fn(x) for x in items]`` (``items`` not empty), all at once on threads; re-raises the
+    first exception of ``fn``, after the other calls have ended. On SIGTERM's SystemExit (or
+    any other non-``Exception``) it returns at once, without waiting for the requests in
+    flight, so that the caller's ``Server`` is stopped next; their threads end with it."""
     ex = ThreadPoolExecutor(len(items))
     try:
-        return list(ex.map(fn, items))
-    finally:
-        ex.shutdown(wait=False, cancel_futures=True)
+        out = list(ex.map(fn, items))
+    except BaseException as e:
+        ex.shutdown(wait=isinstance(e, Exception), cancel_futures=True)
+        raise
+    ex.shutdown(wait=True)
+    return out
 
 
 def measure_decode(url: str, input_len: int, new_tokens: int, repeats: int,
@@ -259,7 +264,7 @@ def main(argv=None):
                          "--cpu-offload-gb); cut requests are counted in the results")
     ap.add_argument("--out-dir", default=tempfile.mkdtemp(prefix="ft-bench-"))
     a = ap.parse_args(argv)
-    if a.max_request_s is not None and not a.max_request_s > 0:
+    if a.max_request_s is not None and not (math.isfinite(a.max_request_s) and a.max_request_s > 0):
         raise SystemExit(f"--max-request-s must be a positive number of seconds, not {a.max_request_s}")
     os.makedirs(a.out_dir, exist_ok=True)
     model = write_shape(a.shape, a.out_dir)

@@ -122,10 +122,15 @@ class GpuMemorySampler:
         self._t.join(timeout=5)
 
 
+def _ignore(signum, frame):
+    pass
+
+
 def _raise_exit(signum, frame):
     # One-shot: a second SIGTERM (``timeout`` signals the process, then its group) must not
-    # interrupt the cleanup this one starts.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # interrupt the cleanup this one starts. A Python no-op, not SIG_IGN, which the
+    # processes started during the cleanup would inherit.
+    signal.signal(signal.SIGTERM, _ignore)
     raise SystemExit(128 + signum)
 
 
@@ -206,6 +211,7 @@ class Server:
         return float(m.group(1)) if m else None
 
     def stop(self) -> None:
+        """SIGTERM to the server, SIGKILL after 60 s, then SIGKILL to its process group."""
         try:
             if self.proc.poll() is None:
                 self.proc.terminate()

@@ -692,3 +692,40 @@ def test_roofline_gives_no_bound_without_a_shared_request():
     (row,) = run_all.roofline([gpu, ft])
     assert (row["allhit_tpot_ms"], row["allhit_compared"]) == (33.0, 1)
 
+
+
+def test_concurrently_waits_on_errors_but_not_on_sigterm():
+    """bench_decode.concurrently: an ordinary error is raised after the other requests ended
+    (run_all then drives workloads on the same server, which must be idle); SIGTERM's
+    SystemExit is raised at once, so that the server is stopped next."""
+    import threading
+    import time
+
+    done, release = [], threading.Event()
+
+    def slow_or_fail(i, exc):
+        if i == 0:
+            raise exc
+        if exc is SystemExit:
+            release.wait(30)
+        else:
+            time.sleep(0.3)
+        done.append(i)
+
+    with pytest.raises(ValueError):
+        run_all.bench_decode.concurrently(lambda i: slow_or_fail(i, ValueError), [0, 1, 2, 3])
+    assert sorted(done) == [1, 2, 3]
+    done.clear()
+    t0 = time.perf_counter()
+    with pytest.raises(SystemExit):
+        run_all.bench_decode.concurrently(lambda i: slow_or_fail(i, SystemExit), [0, 1, 2, 3])
+    assert time.perf_counter() - t0 < 5 and done == []
+    release.set()
+    assert run_all.bench_decode.concurrently(lambda i: i * 2, [1, 2, 3]) == [2, 4, 6]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_bench_decode_refuses_a_bad_max_request_s(value, tmp_path):
+    with pytest.raises(SystemExit, match="--max-request-s must be a positive number"):
+        run_all.bench_decode.main(["--system", "x:", "--max-request-s", value,
+                                   "--out-dir", str(tmp_path)])

@@ -1,5 +1,4 @@
-"""The benchmarks' server launcher (``benchmarks/servers.py``): a benchmark stopped with
-SIGTERM stops the SGLang server it started, and the benchmark scripts arm that."""
+"""The benchmarks' server launcher (benchmarks/servers.py) stops its server when the benchmark gets SIGTERM."""
 
 from __future__ import annotations
 
@@ -138,3 +137,25 @@ def test_handler_not_installed_over_another():
                          timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_sigterm_handler_is_one_shot():
+    """The first SIGTERM raises SystemExit(143); a second one during the cleanup does nothing
+    (a Python no-op, so that processes started meanwhile don't inherit SIG_IGN)."""
+    child = (
+        "import os, signal, sys\n"
+        f"sys.path.insert(0, {BENCH!r})\n"
+        "import servers\n"
+        "assert servers.stop_servers_on_sigterm()\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    signal.pause()\n"
+        "except SystemExit as e:\n"
+        "    code = e.code\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "print(code, signal.getsignal(signal.SIGTERM) is servers._ignore)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["143", "True"]
