@@ -44,6 +44,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _python(code: str) -> list:
+    """Run ``code`` in a fresh Python with benchmarks/ on sys.path; its last output line, split."""
+    prelude = f"import sys; sys.path.insert(0, {BENCH!r})\n"
+    out = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1].split()
+
+
 def _fake_sglang_env(tmp_path) -> dict:
     pkg = tmp_path / "fake" / "sglang"
     pkg.mkdir(parents=True)
@@ -100,15 +109,10 @@ def test_server_stopped_when_the_benchmark_gets_sigterm(tmp_path, signals):
 def test_benchmark_scripts_arm_the_sigterm_handler(script):
     """Run as scripts, run_all.py and bench_decode.py install the handler (before parsing
     their arguments: ``--help`` exits in argparse); imported, as the tests do, they don't."""
-    imported = subprocess.run(
-        [sys.executable, "-c", f"import signal, sys; sys.path.insert(0, {BENCH!r}); "
-         f"import {script[:-3]}; print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"],
-        capture_output=True, text=True, timeout=300)
-    assert imported.returncode == 0, imported.stderr[-3000:]
-    assert imported.stdout.strip().splitlines()[-1] == "True"
-    child = (
-        "import runpy, signal, sys\n"
-        f"sys.path.insert(0, {BENCH!r})\n"
+    assert _python(f"import signal, {script[:-3]}\n"
+                   "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)") == ["True"]
+    assert _python(
+        "import runpy, signal\n"
         f"sys.argv = [{script!r}, '--help']\n"
         "try:\n"
         f"    runpy.run_path({os.path.join(BENCH, script)!r}, run_name='__main__')\n"
@@ -116,35 +120,25 @@ def test_benchmark_scripts_arm_the_sigterm_handler(script):
         "    pass\n"
         "import servers\n"
         "print(signal.getsignal(signal.SIGTERM) is servers._raise_exit)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "True", out.stdout[-2000:]
+    ) == ["True"]
 
 
 def test_handler_not_installed_over_another():
     """A SIGTERM handler already set (pytest's, uvicorn's) is left alone."""
-    child = (
-        "import signal, sys\n"
-        f"sys.path.insert(0, {BENCH!r})\n"
+    assert _python(
+        "import signal\n"
         "from servers import stop_servers_on_sigterm\n"
         "mine = lambda *a: None\n"
         "signal.signal(signal.SIGTERM, mine)\n"
         "print(stop_servers_on_sigterm(), signal.getsignal(signal.SIGTERM) is mine)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["False", "True"]
+    ) == ["False", "True"]
 
 
 def test_sigterm_handler_is_one_shot():
     """The first SIGTERM raises SystemExit(143); a second one during the cleanup does nothing
     (a Python no-op, so that processes started meanwhile don't inherit SIG_IGN)."""
-    child = (
-        "import os, signal, sys\n"
-        f"sys.path.insert(0, {BENCH!r})\n"
+    assert _python(
+        "import os, signal\n"
         "import servers\n"
         "assert servers.stop_servers_on_sigterm()\n"
         "try:\n"
@@ -154,8 +148,4 @@ def test_sigterm_handler_is_one_shot():
         "    code = e.code\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "print(code, signal.getsignal(signal.SIGTERM) is servers._ignore)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["143", "True"]
+    ) == ["143", "True"]
