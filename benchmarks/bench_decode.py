@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
-import math
 import sys
 import tempfile
 import time

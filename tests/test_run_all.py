@@ -11,6 +11,8 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -693,14 +695,10 @@ def test_roofline_gives_no_bound_without_a_shared_request():
     assert (row["allhit_tpot_ms"], row["allhit_compared"]) == (33.0, 1)
 
 
-
 def test_concurrently_waits_on_errors_but_not_on_sigterm():
     """bench_decode.concurrently: an ordinary error is raised after the other requests ended
     (run_all then drives workloads on the same server, which must be idle); SIGTERM's
     SystemExit is raised at once, so that the server is stopped next."""
-    import threading
-    import time
-
     done, release = [], threading.Event()
 
     def slow_or_fail(i, exc):
