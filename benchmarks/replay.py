@@ -2,7 +2,7 @@
 miss rate against cache capacity (the paper's §5.3 "Expert locality", Fig. 4b).
 
 Setting. The GPU expert cache holds ``capacity`` (layer, expert) pairs out of the pool of
-``L*E``. A trace (``freetoken_sglang.routing_trace``) is replayed one *layer call* at a
+``L*E``. A trace (``freetoken_sglang.observe.routing_trace``) is replayed one *layer call* at a
 time: step s, MoE layer l = 0..L-1, in that order. A call **reads** the de-duplicated set of
 experts its tokens route to at that layer (an expert picked by several tokens of the call
 is one read); a read is a **hit** when the pair is resident, else a **miss**. Prefill and
@@ -14,7 +14,7 @@ policies), but are counted separately:
 
 Policies (``POLICIES``; ``EXTRA_POLICIES`` are available with ``--policies``):
 
-* ``global-lru`` (FreeToken): one LRU over all layers, exactly ``freetoken_sglang.residency``:
+* ``global-lru`` (FreeToken): one LRU over all layers, exactly ``freetoken_sglang.cache.residency``:
   a call's hits are stamped with the new clock first; each miss, in expert order, takes
   the next victim among the slots not used by the call, oldest first: never-used slots
   (lowest index first), then the smallest last-use stamp, ties by lowest slot.
@@ -78,7 +78,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-from freetoken_sglang.routing_trace import RoutingTrace  # noqa: E402
+from freetoken_sglang.observe.routing_trace import RoutingTrace  # noqa: E402
 
 import synthetic_routing  # noqa: E402
 
@@ -252,7 +252,7 @@ def _iter_calls(calls: CallTable, extra: np.ndarray | None = None, chunk: int = 
 
 
 class LRUCache:
-    """One LRU slot cache with ``freetoken_sglang.residency`` semantics (module docstring).
+    """One LRU slot cache with ``freetoken_sglang.cache.residency`` semantics (module docstring).
 
     Args:
         num_slots: S >= 0.

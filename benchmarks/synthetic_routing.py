@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from freetoken_sglang.routing_trace import RoutingTrace, RoutingTraceWriter
+from freetoken_sglang.observe.routing_trace import RoutingTrace, RoutingTraceWriter
 
 
 @dataclass

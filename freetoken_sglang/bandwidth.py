@@ -101,8 +101,8 @@ def measure_fill(
 ) -> float:
     """B_P in GB/s: batches of ``batch`` random experts copied from the pool into scratch
     slots with the cache's own fill path (UVA reads of the pinned pool on CUDA)."""
-    from freetoken_sglang.fill import Filler
-    from freetoken_sglang.residency import FillPlan
+    from freetoken_sglang.cache.fills import Filler
+    from freetoken_sglang.cache.residency import FillPlan
 
     rows = next(iter(pool_banks.values())).shape[0]
     slots = {

@@ -142,7 +142,7 @@ class FreeTokenConfig:
         metadata=dict(
             type=str,
             help="Write every forward step's phase and top-k expert ids per MoE layer to this "
-            ".npz routing trace (freetoken_sglang/routing_trace.py; replay it with "
+            ".npz routing trace (freetoken_sglang/observe/routing_trace.py; replay it with "
             "benchmarks/replay.py). Off by default, and free when off.",
         ),
     )

@@ -15,7 +15,7 @@ from typing import Dict, Optional
 
 import torch
 
-from freetoken_sglang.residency import CpuWork
+from freetoken_sglang.cache.residency import CpuWork
 
 _libcuda = None
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from freetoken_sglang.residency import FILL_ALL, MissSplit
+from freetoken_sglang.cache.residency import FILL_ALL, MissSplit
 
 POLICIES = ("qstar", "fill", "cpu")
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from freetoken_sglang.pool import bank_specs_for_layer
-from freetoken_sglang.residency import decide
-from freetoken_sglang.slot_moe import run_on_slots_native, run_on_slots_triton
+from freetoken_sglang.cache.residency import decide
+from freetoken_sglang.execute.slot_moe import run_on_slots_native, run_on_slots_triton
 
 try:  # SGLang 0.5.17: sglang/srt/layers/quantization/base_config.py
     from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase

@@ -14,12 +14,12 @@ from typing import Dict, Optional
 import torch
 
 from freetoken_sglang import families
-from freetoken_sglang.cache import CacheSize, ExpertCache, resolve_num_slots
+from freetoken_sglang.cache.slots import CacheSize, ExpertCache, resolve_num_slots
 from freetoken_sglang.config import SERVER_ARGS_ATTR, FreeTokenConfig
 from freetoken_sglang.miss_policy import MissPolicy
 from freetoken_sglang.pool import GIB, BankSpec, HostExpertPool, pool_fits_host
-from freetoken_sglang.residency import MissSplit
-from freetoken_sglang.stats import ExpertCounters
+from freetoken_sglang.cache.residency import MissSplit
+from freetoken_sglang.observe.counters import ExpertCounters
 
 # The pure-CPU backend: no slot, every routed expert on the CPU, whatever the batch size.
 CPU_ONLY = MissSplit(0.0, 0)
@@ -169,7 +169,7 @@ class FreeTokenRuntime:
         alloc_s = time.perf_counter() - t1
         self._start_cpu_side(max_tokens)
         if self.config.record_routing:
-            from freetoken_sglang.routing_recorder import RoutingRecorder
+            from freetoken_sglang.observe.routing_recorder import RoutingRecorder
 
             self.recorder = RoutingRecorder(
                 self.config.record_routing,

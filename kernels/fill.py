@@ -1,5 +1,5 @@
 """Triton kernel that copies planned expert rows from the pinned host pool into GPU slots
-through unified virtual addressing (the ``uva`` fill of ``freetoken_sglang/fill.py``)."""
+through unified virtual addressing (the ``uva`` fill of ``freetoken_sglang/cache/fills.py``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Triton kernel of the device-side cache decision (``freetoken_sglang.residency.decide`` on
+"""Triton kernel of the device-side cache decision (``freetoken_sglang.cache.residency.decide`` on
 CUDA): one program de-duplicates a layer call's routed experts, classifies them against the
 residency table, splits the misses between fills and CPU execution (q*, paper §3.2), picks an
 LRU victim for each fill, and writes the fill plan and the CPU work items (paper §4.1).
@@ -7,7 +7,7 @@ One launch per layer call, no host sync, fixed shapes: decode CUDA graphs captur
 slot's LRU key is ``stamp * S + slot``, so the least recently used slot is simply the
 smallest key; a chosen victim is re-keyed with the current stamp, so the next search skips
 it. Calls with no miss never scan the slots. Results are identical to the torch reference
-in ``freetoken_sglang/residency.py``.
+in ``freetoken_sglang/cache/residency.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken_sglang.residency import (
+from freetoken_sglang.cache.residency import (
     FILL_ALL,
     CpuWork,
     FillPlan,
@@ -171,7 +171,7 @@ def decide_triton(
     split: MissSplit = FILL_ALL,
     weight_scale: float = 1.0,
 ) -> LayerDecision:
-    """``freetoken_sglang.residency.decide`` in one kernel launch (same arguments and
+    """``freetoken_sglang.cache.residency.decide`` in one kernel launch (same arguments and
     results). Works on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``."""
     t, k = topk_ids.shape
     E = num_experts

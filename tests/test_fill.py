@@ -7,8 +7,8 @@ import torch
 
 from conftest import needs_interpreter
 
-from freetoken_sglang.fill import Filler
-from freetoken_sglang.residency import FillPlan
+from freetoken_sglang.cache.fills import Filler
+from freetoken_sglang.cache.residency import FillPlan
 
 
 @needs_interpreter

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_decide_on_cuda_matches_reference():
-    from freetoken_sglang.residency import MissSplit, ResidencyState, decide, decide_reference
+    from freetoken_sglang.cache.residency import MissSplit, ResidencyState, decide, decide_reference
 
     rng = random.Random(0)
     L, E, k, S = 6, 128, 8, 300
@@ -43,9 +43,9 @@ def test_decide_on_cuda_matches_reference():
 
 
 def test_uva_fill_from_pinned_pool():
-    from freetoken_sglang.fill import Filler
+    from freetoken_sglang.cache.fills import Filler
     from freetoken_sglang.pool import HostExpertPool, bank_specs_for_layer
-    from freetoken_sglang.residency import FillPlan
+    from freetoken_sglang.cache.residency import FillPlan
 
     pool = HostExpertPool([0, 1], 16, bank_specs_for_layer(256, 96, torch.bfloat16))
     for bank in pool.banks.values():
@@ -106,7 +106,7 @@ def test_moe_on_slots_is_bit_identical_to_stock(num_tokens, published_server_arg
     from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
-    from freetoken_sglang.slot_moe import run_on_slots_triton
+    from freetoken_sglang.execute.slot_moe import run_on_slots_triton
 
     torch.manual_seed(num_tokens)
     E, H, I, k, S = 16, 512, 256, 4, 40
@@ -152,7 +152,7 @@ def test_cpu_branch_host_function_in_a_cuda_graph():
     from freetoken_sglang.cpu_branch import CpuBranch
     from freetoken_sglang.cpu_executor import CpuExpertExecutor
     from freetoken_sglang.pool import HostExpertPool, bank_specs_for_layer
-    from freetoken_sglang.residency import CpuWork
+    from freetoken_sglang.cache.residency import CpuWork
 
     H, I, k = 256, 128, 2
     pool = HostExpertPool([0], 8, bank_specs_for_layer(H, I, torch.bfloat16))

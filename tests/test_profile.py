@@ -13,7 +13,7 @@ import torch
 
 from freetoken_sglang import bandwidth
 from freetoken_sglang.miss_policy import SPLIT_MAX_TOKENS, MissPolicy
-from freetoken_sglang.residency import FILL_ALL, MissSplit
+from freetoken_sglang.cache.residency import FILL_ALL, MissSplit
 
 
 def test_profile_cli_measures_and_caches(tiny_checkpoint, tmp_path):

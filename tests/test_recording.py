@@ -7,8 +7,8 @@ from __future__ import annotations
 import requests
 import torch
 
-from freetoken_sglang.residency import ResidencyState, decide
-from freetoken_sglang.routing_trace import RoutingTrace
+from freetoken_sglang.cache.residency import ResidencyState, decide
+from freetoken_sglang.observe.routing_trace import RoutingTrace
 from sglang_cpu import start_server
 
 

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from freetoken_sglang.routing_trace import RoutingTrace, RoutingTraceWriter
+from freetoken_sglang.observe.routing_trace import RoutingTrace, RoutingTraceWriter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -263,7 +263,7 @@ def test_random_traces_bounds_and_full_capacity(kw):
 @pytest.mark.parametrize("S", [8, 13, 24])
 def test_global_lru_equals_device_decide(S):
     torch = pytest.importorskip("torch")
-    from freetoken_sglang.residency import ResidencyState, decide
+    from freetoken_sglang.cache.residency import ResidencyState, decide
 
     p = SYN.SyntheticParams(num_layers=3, num_experts=8, top_k=2, sessions=2, turns=2,
                             prefill_len=(3, 12), decode_len=(15, 30), prefill_chunk=5,

@@ -1,4 +1,4 @@
-"""The GPU expert cache's residency bookkeeping (``freetoken_sglang.residency.decide``) against
+"""The GPU expert cache's residency bookkeeping (``freetoken_sglang.cache.residency.decide``) against
 a plain-Python LRU model, over random routing sequences and every miss split, plus its
 invariants."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import needs_interpreter
-from freetoken_sglang.residency import (
+from freetoken_sglang.cache.residency import (
     FILL_ALL,
     MissSplit,
     ResidencyState,
@@ -246,7 +246,7 @@ def test_triton_kernel_matches_the_torch_reference(seed):
     """The CUDA path's kernel (run by Triton's interpreter here) gives the reference's plans,
     CPU items, routing, state and counters."""
     from freetoken_sglang.kernels.residency import decide_triton
-    from freetoken_sglang.residency import decide_reference
+    from freetoken_sglang.cache.residency import decide_reference
 
     rng = random.Random(100 + seed)
     L, E, k = rng.choice([(3, 8, 2), (2, 12, 3), (2, 64, 4)])

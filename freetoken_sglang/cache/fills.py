@@ -18,7 +18,7 @@ from typing import Dict
 
 import torch
 
-from freetoken_sglang.residency import FillPlan
+from freetoken_sglang.cache.residency import FillPlan
 
 
 class Filler:

@@ -2,7 +2,7 @@
 
 Each slot holds one complete (layer, expert) across every bank of the host pool. This file
 owns the slot memory and its sizing; ``residency.py`` keeps the LRU bookkeeping and
-``fill.py`` moves experts into slots.
+``fills.py`` moves experts into slots.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Dict, Optional
 import torch
 
 from freetoken_sglang.config import FreeTokenConfig
-from freetoken_sglang.fill import Filler
+from freetoken_sglang.cache.fills import Filler
 from freetoken_sglang.pool import GIB, HostExpertPool
-from freetoken_sglang.residency import ResidencyState
+from freetoken_sglang.cache.residency import ResidencyState
 
 logger = logging.getLogger(__name__)
 

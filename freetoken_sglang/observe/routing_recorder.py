@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from freetoken_sglang.routing_trace import RoutingTraceWriter
+from freetoken_sglang.observe.routing_trace import RoutingTraceWriter
 
 logger = logging.getLogger(__name__)
 

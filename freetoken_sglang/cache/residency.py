@@ -2,7 +2,7 @@
 decision, on the device with no host sync (paper §3.2, §4.1).
 
 Pure bookkeeping: no expert weight moves here. ``decide`` turns one MoE layer's routing into
-a fill plan (host pool row -> slot) that ``fill.py`` carries out, and updates the residency
+a fill plan (host pool row -> slot) that ``fills.py`` carries out, and updates the residency
 table, the slot owners, the LRU stamps and the counters in place. Every tensor has a shape
 fixed by the batch shape, and every routing-dependent count stays on the device, so CUDA
 graphs capture it.
@@ -192,7 +192,7 @@ def decide(
 
     On CUDA this is one single-program Triton kernel (``kernels/residency.py``); elsewhere
     the torch reference below. Both give identical results. The cache must have
-    ``S >= K`` slots (``cache.py`` checks this at start).
+    ``S >= K`` slots (the executor choice, ``execute/choice.py``, sends larger calls elsewhere).
     """
     if topk_ids.is_cuda:
         from freetoken_sglang.kernels.residency import decide_triton

@@ -1,0 +1,1 @@
+"""What FreeToken reports: counters, the stats document and routing traces."""
