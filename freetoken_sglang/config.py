@@ -62,6 +62,21 @@ def _choice(*options):
     return parse
 
 
+def _choice_int(*options):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value not in options:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice {text!r} (choose from {', '.join(map(str, options))})"
+            )
+        return value
+
+    return parse
+
+
 @dataclass
 class FreeTokenConfig:
     """The parsed ``--freetoken-*`` flags.
@@ -134,6 +149,35 @@ class FreeTokenConfig:
         metadata=dict(
             type=_positive_int,
             help="Threads of the CPU expert executor (default: one per physical core).",
+        ),
+    )
+
+    prefill: str = field(
+        default="stream",
+        metadata=dict(
+            type=_choice("stream", "lru"),
+            help="stream (default): prefill layer calls of at least --freetoken-stream-min-"
+            "tokens rows stream whole layers over PCIe into reserved buffers, overlapping "
+            "compute, and leave the decode LRU untouched; lru: prefill goes through the "
+            "decode LRU like decode (fills and evictions).",
+        ),
+    )
+    stream_min_tokens: Optional[int] = field(
+        default=None,
+        metadata=dict(
+            type=_positive_int,
+            help="Prefill layer calls of at least this many rows stream (default: the "
+            "crossover rule, the rows at which a call is expected to route to 90%% of a "
+            "layer's experts).",
+        ),
+    )
+    stream_buffers: int = field(
+        default=2,
+        metadata=dict(
+            type=_choice_int(1, 2),
+            help="Full-layer prefill buffers: 2 (default) overlaps each layer's transfer "
+            "with the previous layer's compute; 1 copies each layer after the previous one "
+            "computed (no overlap; for comparison).",
         ),
     )
 
@@ -253,12 +297,45 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
                 "--freetoken-cpu-threads is used only when misses run on the CPU "
                 "(--freetoken-miss-policy qstar or cpu, or --freetoken-backend cpu)"
             )
+        if cfg.prefill == "lru":
+            for name in ("stream_min_tokens", "stream_buffers"):
+                if name in given:
+                    problems.append(
+                        f"{cli_name(name)} has no effect with --freetoken-prefill lru"
+                    )
         if sizes and "kv_reserve_gb" in given:
             problems.append(
                 "--freetoken-kv-reserve-gb applies only without a cache-size flag"
             )
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def _choose_chunk(kwargs: Dict[str, Any]) -> None:
+    """Set ``chunked_prefill_size`` when the user gave none, on a CUDA device
+    (``execute.choice.choose_chunked_prefill_size``); logged."""
+    if kwargs.get("chunked_prefill_size") is not None or kwargs.get("device") == "cpu":
+        return
+    from sglang.srt.utils.common import get_device_memory_capacity
+
+    from freetoken_sglang.execute.choice import choose_chunked_prefill_size
+
+    try:
+        gpu_mem = get_device_memory_capacity(kwargs.get("device") or "cuda")
+    except Exception:  # no CUDA device here: SGLang's own default stands
+        gpu_mem = None
+    if not gpu_mem:
+        return
+    context = int(kwargs.get("context_length") or 0)
+    chunk = choose_chunked_prefill_size(gpu_mem, context)
+    logger.info(
+        "FreeToken: --chunked-prefill-size %d (not given: the largest power of two whose "
+        "activations SGLang reserves within a quarter of the %.0f GiB GPU; each streamed "
+        "chunk costs one pass of the expert pool over PCIe, so fewer chunks, fewer passes)",
+        chunk,
+        gpu_mem / 1024,
+    )
+    kwargs["chunked_prefill_size"] = chunk
 
 
 def apply_server_args_overrides(kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -296,14 +373,21 @@ def apply_server_args_overrides(kwargs: Dict[str, Any]) -> Dict[str, Any]:
         "enable_two_batch_overlap",
         "enable_single_batch_overlap",
         "enable_torch_compile",
-        "enable_mixed_chunk",
     ):
         if kwargs.get(flag):
             problems.append(f"--{flag.replace('_', '-')} is not supported")
+    prefill_graph = kwargs.get("cuda_graph_backend_prefill")
+    if prefill_graph not in (None, "breakable", "disabled"):
+        problems.append(
+            f"--cuda-graph-backend-prefill {prefill_graph} cannot run the streamed prefill "
+            "(it needs the breakable backend's eager breaks): use breakable (the default) or "
+            "--disable-prefill-cuda-graph"
+        )
     if (kwargs.get("disaggregation_mode") or "null") != "null":
         problems.append("prefill/decode disaggregation is not supported")
     if problems:
         raise ValueError("--enable-freetoken: " + "; ".join(problems))
+    _choose_chunk(kwargs)
     if not kwargs.get("disable_shared_experts_fusion"):
         logger.info(
             "FreeToken: setting disable_shared_experts_fusion=True so that shared "

@@ -2,18 +2,16 @@
 
 It replaces the layer's ``UnquantizedFusedMoEMethod`` (``patches/moe_layer.py``). Its
 parameters are views of the layer's rows in the host pool, so checkpoint loading writes
-straight into the final host layout; its ``apply`` de-duplicates the routed experts,
-classifies them against the cache, fills the misses, and runs SGLang's own MoE kernels over
-the slots (paper §3.2).
+straight into the final host layout; its ``apply`` hands each layer call to one executor
+(``execute/``), which runs SGLang's own MoE kernels over the slots (paper §3.1-3.2).
 """
 
 from __future__ import annotations
 
 import torch
 
+from freetoken_sglang.execute.contract import LayerCall
 from freetoken_sglang.pool import bank_specs_for_layer
-from freetoken_sglang.cache.residency import decide
-from freetoken_sglang.execute.slot_moe import run_on_slots_native, run_on_slots_triton
 
 try:  # SGLang 0.5.17: sglang/srt/layers/quantization/base_config.py
     from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
@@ -85,9 +83,9 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         return None
 
     def apply(self, layer: torch.nn.Module, dispatch_output):
-        """Compute the layer's routed-expert output (paper §3.2): hits run from their slots,
-        q misses are filled and run on the GPU, the other misses run on the CPU at the same
-        time, and the partial outputs are merged. No host sync on the CUDA path.
+        """Compute the layer's routed-expert output with the executor the runtime picks for
+        the call (``execute/choice.py``): the LRU decode path, full-layer prefill streaming,
+        waves, or the CPU backend. No host sync on the CUDA decode path.
 
         Args:
             dispatch_output: SGLang's ``StandardDispatchOutput`` (hidden_states ``[T, H]``,
@@ -100,58 +98,18 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         from sglang.srt.layers.moe.topk import TopKOutputChecker
 
         rt = self.runtime
-        cache = rt.cache
         topk_output = dispatch_output.topk_output
         if not TopKOutputChecker.format_is_standard(topk_output):
             topk_output = topk_output.to_standard()
-        x = dispatch_output.hidden_states
-        split = rt.split_for(x.shape[0])
-        on_cpu = split.fill_ratio < 1.0  # some misses may run on the CPU
-        phase = "decode" if rt.is_decode_sized(x.shape[0]) else "prefill"
-        # The CPU partial is scaled as the GPU partial is: SGLang's Triton runner applies the
-        # routed scaling factor (moe_sum_reduce); its native CPU MoE leaves it to the model
-        # (e.g. DeepseekV2MoE multiplies its output on non-CUDA devices).
-        scale = (self.moe_runner_config.routed_scaling_factor or 1.0) if x.is_cuda else 1.0
-        decision = decide(
-            cache.residency,
-            rt.counters.of_phase(phase),
-            self.ordinal,
-            self.num_experts,
-            topk_output.topk_ids,
-            topk_output.topk_weights,
-            rt.num_valid,
-            split,
-            scale,
+        call = LayerCall(
+            layer=layer,
+            ordinal=self.ordinal,
+            x=dispatch_output.hidden_states,
+            topk_weights=topk_output.topk_weights,
+            topk_ids=topk_output.topk_ids,
+            topk_output=topk_output,
         )
         if rt.recorder is not None:
             rt.recorder.record_layer(self.ordinal, topk_output.topk_ids)
-        if on_cpu:
-            rt.cpu_branch.launch(x, decision.cpu)  # copies x before the GPU may overwrite it
-        if cache.filler is not None:
-            cache.filler.run(decision.plan)
-        layer_slots = cache.residency.layer_slots(self.ordinal, self.num_experts)
-        if rt.backend == "cpu":
-            out = torch.zeros_like(x)
-        elif x.is_cuda:
-            out = run_on_slots_triton(
-                layer,
-                x,
-                topk_output.topk_weights,
-                decision.routed_ids,
-                layer_slots,
-                cache.slot_banks,
-                skip_negative_ids=on_cpu,
-            )
-        else:
-            out = run_on_slots_native(
-                layer,
-                x,
-                topk_output,
-                decision.routed_ids,
-                layer_slots,
-                cache.banks_with_null_slots,
-                cache.num_slots,
-            )
-        if on_cpu:
-            out = rt.cpu_branch.merge(out)
+        out = rt.executor_for(call.rows).run(call)
         return StandardCombineInput(hidden_states=out)

@@ -1,8 +1,10 @@
-"""The per-process FreeToken runtime: the pool, the cache and the counters of one scheduler.
+"""The per-process FreeToken runtime: builds the pool, the cache and the executors of one
+scheduler at start, and holds the per-forward state they share.
 
 Created when SGLang's ``ModelRunner`` starts loading a model with ``--enable-freetoken``
 (``patches/model_runner.py``); the MoE layers built during that load register with it, and
-``finish_load`` pins the pool and allocates the cache before SGLang sizes its KV pool.
+``finish_load`` pins the pool and allocates the cache before SGLang sizes its KV pool. Layer
+calls go to the executors (``execute/``); the stats document is ``observe/document.py``.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from typing import Dict, Optional
 import torch
 
 from freetoken_sglang import families
+from freetoken_sglang.cache.layout import SlotLayout, plan_layout
+from freetoken_sglang.cache.residency import MissSplit
 from freetoken_sglang.cache.slots import CacheSize, ExpertCache, resolve_num_slots
 from freetoken_sglang.config import SERVER_ARGS_ATTR, FreeTokenConfig
-from freetoken_sglang.miss_policy import MissPolicy
-from freetoken_sglang.pool import GIB, BankSpec, HostExpertPool, pool_fits_host
-from freetoken_sglang.cache.residency import MissSplit
+from freetoken_sglang.execute.choice import DECODE, EXTEND, ExecutorChoice, stream_min_rows
+from freetoken_sglang.miss_policy import SPLIT_MAX_TOKENS, MissPolicy
 from freetoken_sglang.observe.counters import ExpertCounters
+from freetoken_sglang.pool import GIB, BankSpec, HostExpertPool, pool_fits_host
 
 # The pure-CPU backend: no slot, every routed expert on the CPU, whatever the batch size.
 CPU_ONLY = MissSplit(0.0, 0)
@@ -72,6 +76,11 @@ class FreeTokenRuntime:
         self.executor = None
         self.cpu_branch = None
         self.recorder = None
+        self.choice: Optional[ExecutorChoice] = None
+        self.executors: Dict[str, object] = {}
+        # Phase of the forward in flight (decode / extend), set per forward and during
+        # graph capture; None falls back to the row count.
+        self.phase: Optional[str] = None
         self.act_dtype = model_runner.model_config.dtype
         self.model_path = model_runner.server_args.model_path
         # Real rows of the current forward; rows past it are graph padding.
@@ -144,12 +153,9 @@ class FreeTokenRuntime:
 
         if self.backend == "cpu":
             size = CacheSize(0, "--freetoken-backend cpu: no GPU expert cache")
+            layout = SlotLayout(0, 0, 0, 0, "waves")
         else:
-            min_slots = min(self.num_experts, max_tokens * self.top_k)
-            reason = (
-                f"one MoE layer's worst case: min(E={self.num_experts}, max tokens per "
-                f"forward {max_tokens} x top-k {self.top_k})"
-            )
+            reason = f"one token's top-k experts (k={self.top_k}); larger calls run in waves"
             free_bytes = slack = None
             if self.device.type == "cuda":
                 free_bytes = torch.cuda.mem_get_info(self.device)[0]
@@ -160,14 +166,22 @@ class FreeTokenRuntime:
                     )
                 slack = int(before_gb * GIB * (1 - sa.mem_fraction_static))
             size = resolve_num_slots(
-                self.config, self.pool, min_slots, reason, free_bytes, slack or 0
+                self.config, self.pool, self.top_k, reason, free_bytes, slack or 0
+            )
+            layout = plan_layout(
+                size.num_slots,
+                self.num_experts,
+                self.pool.num_rows,
+                self.top_k,
+                self.config.stream_buffers,
             )
         t1 = time.perf_counter()
         null_slots = self.top_k if self.device.type == "cpu" else 0
-        self.cache = ExpertCache(self.pool, size.num_slots, self.device, null_slots)
+        self.cache = ExpertCache(self.pool, layout, self.device, null_slots)
         self.counters = ExpertCounters(self.moe_layer_ids, self.device)
         alloc_s = time.perf_counter() - t1
         self._start_cpu_side(max_tokens)
+        self._start_executors()
         if self.config.record_routing:
             from freetoken_sglang.observe.routing_recorder import RoutingRecorder
 
@@ -192,7 +206,7 @@ class FreeTokenRuntime:
         logger.info(
             "FreeToken: %s, routed experts in host memory (%s); backend %s; GPU expert "
             "cache: %s (size: %s); decode misses: %s. Peak GPU memory during load: %.2f "
-            "GiB; pinning took %.2f s.",
+            "GiB; pinning took %.2f s. %s",
             self.family,
             self.pool.describe(),
             self.backend
@@ -203,6 +217,7 @@ class FreeTokenRuntime:
             self.describe_policy(),
             peak_load_bytes / GIB,
             pin_s,
+            self.describe_prefill(),
         )
 
     def _start_cpu_side(self, max_tokens: int) -> None:
@@ -243,6 +258,62 @@ class FreeTokenRuntime:
             self.policy = MissPolicy("qstar", (self.bandwidth.b_p, self.bandwidth.b_h))
         else:
             self.policy = MissPolicy("cpu")
+
+    def _start_executors(self) -> None:
+        """Build the executors the layout can use and the rule that picks one per call."""
+        from freetoken_sglang.execute.cpu_backend import CpuBackendExecutor
+        from freetoken_sglang.execute.decode import DecodeExecutor
+        from freetoken_sglang.execute.prefill_stream import PrefillStreamExecutor
+        from freetoken_sglang.execute.waves import WaveExecutor
+
+        layout = self.cache.layout
+        min_rows = self.config.stream_min_tokens or stream_min_rows(
+            self.num_experts, self.top_k
+        )
+        self.choice = ExecutorChoice(
+            backend=self.backend,
+            layout_kind=layout.kind,
+            lru_slots=layout.lru_slots,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            stream_min_rows=min_rows,
+            prefill=self.config.prefill,
+        )
+        if self.backend == "cpu":
+            self.executors = {"cpu": CpuBackendExecutor(self)}
+            return
+        self.executors = {"decode": DecodeExecutor(self)}
+        if layout.kind == "stream":
+            self.executors["stream"] = PrefillStreamExecutor(self)
+        if layout.buffer_rows:
+            self.executors["waves"] = WaveExecutor(self)
+
+    def executor_for(self, rows: int):
+        """The executor of a layer call over ``rows`` rows in the forward in flight."""
+        phase = self.phase or (EXTEND if rows > SPLIT_MAX_TOKENS else DECODE)
+        return self.executors[self.choice.executor_for(rows, phase)]
+
+    def describe_prefill(self) -> str:
+        c = self.choice
+        if c.backend == "cpu" or c.layout_kind == "resident":
+            return "Prefill: no streaming (nothing to stream)."
+        if c.prefill == "lru":
+            return "Prefill: through the decode LRU (--freetoken-prefill lru)."
+        how = "full layers" if c.layout_kind == "stream" else "waves"
+        src = "--freetoken-stream-min-tokens" if self.config.stream_min_tokens else "crossover rule"
+        return (
+            f"Prefill: layer calls of at least {c.stream_min_rows} rows stream ({how}; "
+            f"{src}), outside the LRU."
+        )
+
+    def begin_forward(self, phase: str, num_tokens: int) -> None:
+        """Before a forward of ``phase`` over ``num_tokens`` rows: record the phase, and
+        start streaming the first layers when this forward's layer calls will stream."""
+        self.phase = phase
+        stream = self.executors.get("stream")
+        if stream is not None:
+            streams = self.choice.executor_for(num_tokens, phase) == "stream"
+            stream.begin_forward(prefetch=streams)
 
     def describe_policy(self) -> str:
         if self.backend == "cpu":
@@ -286,42 +357,15 @@ class FreeTokenRuntime:
             self.cache.reset()
         if self.counters is not None:
             self.counters.reset()
+        for ex in self.executors.values():
+            if hasattr(ex, "reset"):
+                ex.reset()
 
     def stats(self) -> Dict[str, object]:
-        """The ``/freetoken/stats`` document."""
-        out: Dict[str, object] = {
-            "family": self.family,
-            "num_moe_layers": len(self.moe_layer_ids),
-            "num_experts": self.num_experts,
-            "top_k": self.top_k,
-        }
-        if self.pool is not None:
-            out["pool"] = {
-                "experts": self.pool.num_rows,
-                "expert_bytes": self.pool.expert_bytes,
-                "bytes": self.pool.nbytes,
-                "pinned": self.pool.pinned,
-            }
-        if self.cache is not None:
-            out["cache"] = {
-                "slots": self.cache.num_slots,
-                "bytes": self.cache.nbytes,
-                "fill_mode": self.cache.filler.mode if self.cache.filler else None,
-                "all_resident": self.cache.all_resident,
-            }
-        out["backend"] = self.backend
-        out["miss_policy"] = self.policy.name if self.policy else None
-        if self.bandwidth is not None:
-            out["bandwidth"] = {
-                "B_P": self.bandwidth.b_p,
-                "B_H": self.bandwidth.b_h,
-                "ratio": self.bandwidth.ratio,
-                "source": self.bandwidth.source,
-            }
-        if self.counters is not None:
-            out.update(self.counters.snapshot())
-        out["load"] = dict(self.load_report)
-        return out
+        """The ``/freetoken/stats`` document (``observe/document.py``)."""
+        from freetoken_sglang.observe.document import stats_document
+
+        return stats_document(self)
 
 
 def start(config: FreeTokenConfig, model_runner) -> FreeTokenRuntime:

@@ -5,8 +5,10 @@
   expert cache, before SGLang sizes its KV pool from the memory left. Peak GPU memory during
   the load is measured and logged.
 - ``ModelRunner._forward_raw`` (around): records how many rows of the batch are real, on the
-  device, so that captured graphs mask their padding out of the cache's recency; after the
-  step, appends its routing to the trace when ``--freetoken-record-routing`` is on.
+  device, so that captured graphs mask their padding out of the cache's recency; tells the
+  runtime the forward's phase (decode, or extend: prefill and mixed batches), which starts
+  streaming the first layers of a streamed prefill before layer 0's attention runs; after
+  the step, appends its routing to the trace when ``--freetoken-record-routing`` is on.
 """
 
 from __future__ import annotations
@@ -56,10 +58,14 @@ def forward_raw(original, self, forward_batch, *args, **kwargs):
     ids = forward_batch.input_ids
     n = ids.shape[0] if ids is not None else forward_batch.positions.shape[0]
     rt.set_num_valid(n)
-    result = original(self, forward_batch, *args, **kwargs)
+    decode = forward_batch.forward_mode.is_decode()
+    rt.begin_forward("decode" if decode else "extend", n)
+    try:
+        result = original(self, forward_batch, *args, **kwargs)
+    finally:
+        rt.phase = None
     if rt.recorder is not None or rt.cpu_branch is not None:
-        phase = "decode" if forward_batch.forward_mode.is_decode() else "prefill"
-        rt.end_step(phase, n)
+        rt.end_step("decode" if decode else "prefill", n)
     return result
 
 

@@ -72,3 +72,34 @@ class Filler:
         for name, slots in self.slot_banks.items():
             pool = self.pool_banks[name]
             slots[: pool.shape[0]].copy_(pool, non_blocking=False)
+
+
+def contiguous_runs(missing) -> list:
+    """``(start, length)`` of each run of consecutive True entries of ``missing`` (a host
+    sequence of bools), in order."""
+    runs, start = [], None
+    for i, m in enumerate(missing):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i - start))
+            start = None
+    if start is not None:
+        runs.append((start, len(missing) - start))
+    return runs
+
+
+def copy_row_runs(
+    pool_banks: Dict[str, torch.Tensor],
+    slot_banks: Dict[str, torch.Tensor],
+    runs,
+    non_blocking: bool,
+) -> None:
+    """For each ``(src, dst, n)`` in ``runs``, copy pool rows ``[src, src+n)`` of every bank
+    into slot rows ``[dst, dst+n)``. From a pinned pool to a CUDA cache with
+    ``non_blocking`` this is one ``cudaMemcpyAsync`` per run and bank on the current stream:
+    the copy engine moves the bytes, no SM is used (paper §3.1)."""
+    for name, slots in slot_banks.items():
+        pool = pool_banks[name]
+        for src, dst, n in runs:
+            slots[dst : dst + n].copy_(pool[src : src + n], non_blocking=non_blocking)

@@ -1,8 +1,9 @@
 """The GPU expert cache: one slot pool shared by all MoE layers (paper §3, §4.1).
 
 Each slot holds one complete (layer, expert) across every bank of the host pool. This file
-owns the slot memory and its sizing; ``residency.py`` keeps the LRU bookkeeping and
-``fills.py`` moves experts into slots.
+owns the slot memory and its sizing; ``layout.py`` splits it between the LRU and the prefill
+buffers, ``residency.py`` keeps the LRU bookkeeping and ``fills.py`` moves experts into
+slots.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from freetoken_sglang.config import FreeTokenConfig
 from freetoken_sglang.cache.fills import Filler
+from freetoken_sglang.cache.layout import RESIDENT, SlotLayout
 from freetoken_sglang.pool import GIB, HostExpertPool
 from freetoken_sglang.cache.residency import ResidencyState
 
@@ -22,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 class CacheSizeError(ValueError):
-    """The requested cache cannot serve one MoE layer's worst case, or does not fit."""
+    """The requested cache cannot serve one token's top-k experts, or does not fit."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,8 @@ def resolve_num_slots(
     Args:
         config: the flags.
         pool: the host pool (its expert size and row count).
-        min_slots: the fewest slots that serve one layer call's worst case.
+        min_slots: the fewest slots that serve a layer call (top-k: larger calls run in
+            waves).
         min_slots_reason: how ``min_slots`` was derived, for the error message.
         free_bytes: free device memory now (None on the CPU: no automatic size).
         slack_bytes: memory SGLang keeps back from the KV pool (``1 - mem_fraction_static``
@@ -79,7 +82,7 @@ def resolve_num_slots(
         raise CacheSizeError(
             f"the GPU expert cache ({how}) would hold {slots} slots, but at least "
             f"{min_slots} are needed ({min_slots_reason}); that is "
-            f"{min_slots * per_slot / GIB:.2f} GiB. Ask for at least "
+            f"{min_slots * per_slot / GIB:.3f} GiB. Ask for at least "
             f"--freetoken-cache-slots {min_slots} (or the same as -gb / -ratio)."
         )
     if free_bytes is not None and slots * per_slot > free_bytes - slack_bytes:
@@ -96,15 +99,21 @@ class ExpertCache:
 
     Args:
         pool: the host pool (bank shapes and dtypes; source of fills).
-        num_slots: S.
+        layout: the split of the slot rows between the LRU and the prefill buffers.
         device: the serving device.
-        null_slots: zero rows kept after the S slots (``banks_with_null_slots``), for SGLang's
+        null_slots: zero rows kept after the slots (``banks_with_null_slots``), for SGLang's
             native CPU MoE, which needs distinct expert ids for the entries it must skip.
+
+    ``num_slots`` is every slot row (``layout.total``); the residency state manages the
+    first ``layout.lru_slots`` of them.
     """
 
-    def __init__(self, pool: HostExpertPool, num_slots: int, device, null_slots: int = 0):
+    def __init__(self, pool: HostExpertPool, layout: SlotLayout, device, null_slots: int = 0):
         self.pool = pool
+        self.layout = layout
+        num_slots = layout.total
         self.num_slots = num_slots
+        self.num_experts = pool.num_experts
         self.device = torch.device(device)
         self.banks_with_null_slots: Dict[str, torch.Tensor] = {
             name: torch.zeros(
@@ -115,10 +124,10 @@ class ExpertCache:
         self.slot_banks: Dict[str, torch.Tensor] = {
             name: bank[:num_slots] for name, bank in self.banks_with_null_slots.items()
         }
-        self.residency = ResidencyState(pool.num_rows, num_slots, device)
+        self.residency = ResidencyState(pool.num_rows, layout.lru_slots, device)
         # No slot (the pure-CPU backend): nothing is ever filled.
         self.filler = Filler(pool.banks, pool.device_banks, self.slot_banks) if num_slots else None
-        self.all_resident = num_slots >= pool.num_rows
+        self.all_resident = layout.kind == RESIDENT
         if self.all_resident:
             # Warm-up by construction: every expert is copied in once, never again.
             self.filler.fill_all()
@@ -142,5 +151,6 @@ class ExpertCache:
             return "none"
         return (
             f"{self.num_slots} slots ({pct:.1f}% of the pool), {self.nbytes / GIB:.2f} GiB "
-            f"on {self.device}, fills by {self.filler.mode}"
+            f"on {self.device}: {self.layout.describe(self.num_experts)}; fills by "
+            f"{self.filler.mode}"
         )

@@ -11,7 +11,7 @@ On the CPU it is SGLang's ``moe_forward_native`` over the slot banks.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -24,6 +24,7 @@ def run_on_slots_triton(
     layer_slots: torch.Tensor,
     slot_banks: Dict[str, torch.Tensor],
     skip_negative_ids: bool = False,
+    inplace: Optional[bool] = None,
 ) -> torch.Tensor:
     """The layer's routed-expert output, computed from the slots (CUDA).
 
@@ -38,6 +39,8 @@ def run_on_slots_triton(
         skip_negative_ids: some ids may be -1: SGLang's kernels then run with
             ``filter_expert`` (as under expert parallelism), giving those entries zero.
         slot_banks: ``w13_weight [S, 2I, H]``, ``w2_weight [S, H, I]`` and optional biases.
+        inplace: overrides the runner config's ``inplace`` (False keeps ``hidden_states``
+            intact, for executors that run one call in several passes).
 
     Returns:
         ``[T, H]`` (``hidden_states`` itself when the runner config is in place).
@@ -103,7 +106,7 @@ def run_on_slots_triton(
         activation=cfg.activation,
         is_gated=cfg.is_gated,
         no_combine=cfg.no_combine,
-        inplace=cfg.inplace,
+        inplace=cfg.inplace if inplace is None else inplace,
         apply_router_weight_on_input=cfg.apply_router_weight_on_input,
         routed_scaling_factor=cfg.routed_scaling_factor,
         gemm1_alpha=cfg.gemm1_alpha,
@@ -150,4 +153,55 @@ def run_on_slots_native(
         hidden_states,
         StandardTopKOutput(weights, slot_ids, topk_output.router_logits),
         layer.moe_runner_config,
+    )
+
+
+def routed_scale(layer, x: torch.Tensor) -> float:
+    """The factor CPU-executed partials get so that they add to the GPU partial: SGLang's
+    Triton runner applies ``routed_scaling_factor`` itself (``moe_sum_reduce``); its native
+    CPU MoE leaves it to the model (e.g. ``DeepseekV2MoE`` multiplies on non-CUDA devices)."""
+    if not x.is_cuda:
+        return 1.0
+    return layer.moe_runner_config.routed_scaling_factor or 1.0
+
+
+def run_on_slots(
+    call,
+    routed_ids: torch.Tensor,
+    layer_slots: torch.Tensor,
+    cache,
+    skip_negative_ids: bool = False,
+    inplace: Optional[bool] = None,
+) -> torch.Tensor:
+    """``run_on_slots_triton`` on CUDA, ``run_on_slots_native`` elsewhere, over every row of
+    the cache's slot banks (LRU slots and prefill buffers alike).
+
+    Args:
+        call: the ``LayerCall``.
+        routed_ids: int ``[T, k]`` local ids, -1 for entries served elsewhere.
+        layer_slots: int32 ``[E]`` slot row of each local expert the call may use.
+        cache: the ``ExpertCache``.
+        skip_negative_ids: some ids may be -1.
+        inplace: as in ``run_on_slots_triton`` (CUDA only; the native path never writes
+            its input).
+    """
+    if call.x.is_cuda:
+        return run_on_slots_triton(
+            call.layer,
+            call.x,
+            call.topk_weights,
+            routed_ids,
+            layer_slots,
+            cache.slot_banks,
+            skip_negative_ids=skip_negative_ids,
+            inplace=inplace,
+        )
+    return run_on_slots_native(
+        call.layer,
+        call.x,
+        call.topk_output,
+        routed_ids,
+        layer_slots,
+        cache.banks_with_null_slots,
+        cache.num_slots,
     )

@@ -1,0 +1,57 @@
+"""The decode executor: the LRU residency decision, fills and the miss policy's CPU branch
+(paper §3.2, §4.1). Graph-safe: no host sync on CUDA."""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken_sglang.cache.residency import decide
+from freetoken_sglang.execute.contract import LayerCall
+from freetoken_sglang.execute.slot_moe import run_on_slots, routed_scale
+
+
+class DecodeExecutor:
+    """Hits run from their slots; of the m misses, q are filled into LRU victims and run on
+    the GPU, the rest run on the CPU at the same time; the partial outputs are merged.
+
+    Args:
+        runtime: the process's ``FreeTokenRuntime`` (cache, counters, miss policy, CPU
+            branch, ``num_valid``).
+    """
+
+    name = "decode"
+
+    def __init__(self, runtime):
+        self.rt = runtime
+
+    def run(self, call: LayerCall) -> torch.Tensor:
+        rt = self.rt
+        cache = rt.cache
+        x = call.x
+        split = rt.split_for(call.rows)
+        on_cpu = split.fill_ratio < 1.0  # some misses may run on the CPU
+        phase = "decode" if rt.is_decode_sized(call.rows) else "prefill"
+        decision = decide(
+            cache.residency,
+            rt.counters.of_phase(phase),
+            call.ordinal,
+            cache.num_experts,
+            call.topk_ids,
+            call.topk_weights,
+            rt.num_valid,
+            split,
+            routed_scale(call.layer, x),
+        )
+        if on_cpu:
+            rt.cpu_branch.launch(x, decision.cpu)  # copies x before the GPU may overwrite it
+        cache.filler.run(decision.plan)
+        out = run_on_slots(
+            call,
+            decision.routed_ids,
+            cache.residency.layer_slots(call.ordinal, cache.num_experts),
+            cache,
+            skip_negative_ids=on_cpu,
+        )
+        if on_cpu:
+            out = rt.cpu_branch.merge(out)
+        return out

@@ -1,0 +1,79 @@
+"""The ``GET /freetoken/stats`` document of one runtime (read off the hot path)."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+
+def prefill_stream_counts(rt) -> Dict[str, object]:
+    """The ``prefill_stream`` object: layer calls served outside the LRU by the prefill
+    executors (full-layer streaming and waves), experts sent over PCIe (``experts_streamed``,
+    ``bytes_streamed``) or read from their LRU slots instead (``experts_reused``), the wave
+    calls among them, and ``wait_s``, the time the compute stream waited for a copy (CUDA
+    timing events around each layer's wait, read here; on a CPU device, the copies' own
+    time)."""
+    out = dict(layer_calls=0, experts_streamed=0, experts_reused=0, wave_calls=0, wait_s=0.0)
+    stream = rt.executors.get("stream")
+    if stream is not None:
+        s = stream.snapshot()
+        for key in ("layer_calls", "experts_streamed", "experts_reused", "wait_s"):
+            out[key] += s[key]
+    waves = rt.executors.get("waves")
+    if waves is not None:
+        w = waves.snapshot()
+        out["layer_calls"] += w["layer_calls"]
+        out["wave_calls"] += w["layer_calls"]
+        out["experts_streamed"] += w["experts_streamed"]
+        out["experts_reused"] += w["experts_reused"]
+    out["bytes_streamed"] = out["experts_streamed"] * rt.pool.expert_bytes
+    return out
+
+
+def stats_document(rt) -> Dict[str, object]:
+    """Pool, cache, layout, backend, miss policy, bandwidths, the LRU counters (``decode`` and
+    ``prefill`` phases count only layer calls that went through the LRU), ``prefill_stream``
+    and the load report of the runtime ``rt``."""
+    out: Dict[str, object] = {
+        "family": rt.family,
+        "num_moe_layers": len(rt.moe_layer_ids),
+        "num_experts": rt.num_experts,
+        "top_k": rt.top_k,
+    }
+    if rt.pool is not None:
+        out["pool"] = {
+            "experts": rt.pool.num_rows,
+            "expert_bytes": rt.pool.expert_bytes,
+            "bytes": rt.pool.nbytes,
+            "pinned": rt.pool.pinned,
+        }
+    if rt.cache is not None:
+        layout = rt.cache.layout
+        out["cache"] = {
+            "slots": rt.cache.num_slots,
+            "lru_slots": layout.lru_slots,
+            "prefill_buffer_slots": layout.buffer_rows,
+            "layout": layout.kind,
+            "bytes": rt.cache.nbytes,
+            "fill_mode": rt.cache.filler.mode if rt.cache.filler else None,
+            "all_resident": rt.cache.all_resident,
+        }
+    out["backend"] = rt.backend
+    out["miss_policy"] = rt.policy.name if rt.policy else None
+    if rt.choice is not None:
+        out["prefill"] = {
+            "mode": rt.choice.prefill,
+            "stream_min_tokens": rt.choice.stream_min_rows,
+        }
+    if rt.bandwidth is not None:
+        out["bandwidth"] = {
+            "B_P": rt.bandwidth.b_p,
+            "B_H": rt.bandwidth.b_h,
+            "ratio": rt.bandwidth.ratio,
+            "source": rt.bandwidth.source,
+        }
+    if rt.counters is not None:
+        out.update(rt.counters.snapshot())
+    if rt.executors:
+        out["prefill_stream"] = prefill_stream_counts(rt)
+    out["load"] = dict(rt.load_report)
+    return out
