@@ -12,7 +12,7 @@ mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 python3 -m pytest -q "$here/../tests/test_gpu.py" -p no:cacheprovider 2>&1 | tee "$out/test_gpu.log"
 tests=${PIPESTATUS[0]}
-python3 "$here/gpu_equality.py" --miss-policies fill,qstar,cpu --bandwidth "$bw" \
+python3 "$here/gpu_equality.py" --miss-policies fill,qstar,cpu --bandwidth "$bw" --prefill-checks \
   --out "$out/gpu_equality.json" 2>&1 | tee "$out/gpu_equality.log"
 eq=${PIPESTATUS[0]}
 echo "tests/test_gpu.py exit $tests, gpu_equality.py exit $eq"

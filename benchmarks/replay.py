@@ -42,6 +42,18 @@ Policies (``POLICIES``; ``EXTRA_POLICIES`` are available with ``--policies``):
   minimises decode + prefill misses.
 * ``static-layers`` (extra): routing-blind whole-layer split: all experts of the last
   ``capacity // E`` layers (llama.cpp ``--n-cpu-moe``).
+* ``stream-reserved``, ``stream-borrowed`` (extra): prefill layer calls are streamed through
+  two full-layer buffers of E slots outside the LRU; decode calls are exactly ``global-lru``.
+  A prefill call is served without reads or misses (its ``prefill_reads`` and
+  ``prefill_misses`` are 0, so its miss rate is n/a) and otherwise leaves the LRU alone.
+  ``reserved`` (``freetoken_sglang.cache.layout``): the LRU has ``capacity - 2E`` slots and
+  never sees a prefill. ``borrowed`` (the FreeToken paper): the LRU has ``capacity`` slots;
+  each prefill step first takes the LRU's next 2E victims as the buffers (never-used slots
+  first, then oldest; their experts are evicted), and after the step gives them back
+  holding the experts of MoE layers L-2 and L-1 that are not resident, as the most recent
+  entries (in flat-id order to the slots in slot order); slots left over come back empty,
+  first victims. Capacity must be >= 2E + k (reserved) or >= 2E (borrowed), else ValueError.
+  ``fills`` are decode fills; ``evictions`` include the entries borrowed for the buffers.
 
 When a call reads more experts than an admit-all policy's cache (or per-layer share) can
 hold, its hits stay, the misses fill every slot not used by the call (global/per-layer LRU:
@@ -83,7 +95,8 @@ from freetoken_sglang.observe.routing_trace import RoutingTrace  # noqa: E402
 import synthetic_routing  # noqa: E402
 
 POLICIES = ("global-lru", "per-layer-lru", "static-frequent", "prefill-updated", "belady")
-EXTRA_POLICIES = ("belady-total", "static-layers")
+EXTRA_POLICIES = ("belady-total", "static-layers", "stream-reserved", "stream-borrowed")
+STREAM_POLICIES = ("stream-reserved", "stream-borrowed")
 ALL_POLICIES = POLICIES + EXTRA_POLICIES
 ADMIT_ALL = ("global-lru", "per-layer-lru", "belady", "belady-total")
 LABELS = {
@@ -94,6 +107,8 @@ LABELS = {
     "belady": "Belady, optimal admit-all (lower bound)",
     "belady-total": "Belady on all misses",
     "static-layers": "static whole layers (llama.cpp-style, routing-blind)",
+    "stream-reserved": "global LRU of capacity-2E + reserved prefill buffers",
+    "stream-borrowed": "global LRU + prefill buffers borrowed per prefill (paper)",
 }
 DEFAULT_CAPACITIES = tuple(range(5, 101, 5))
 
@@ -312,18 +327,52 @@ class LRUCache:
             order[s] = None
         return m, fills, ev
 
+    def borrow(self, n: int, refill: list) -> int:
+        """Lend the next ``n`` victims out as buffers and take them back holding the items of
+        ``refill`` (ascending) not resident, most recent; leftovers come back empty, first
+        victims. Returns evictions. Needs n <= S."""
+        slot_of, order, owner = self.slot_of, self.order, self.owner
+        nf = min(n, self.S - self.next_free)
+        slots = list(range(self.next_free, self.next_free + nf))
+        self.next_free += nf
+        ev = 0
+        for _ in range(n - nf):
+            s = order.popitem(last=False)[0]
+            slots.append(s)
+            if owner[s] >= 0:
+                slot_of[owner[s]] = -1
+                owner[s] = -1
+                ev += 1
+        slots.sort()
+        new = [x for x in refill if slot_of[x] < 0]
+        for x, s in zip(new, slots):
+            owner[s] = x
+            slot_of[x] = s
+            order[s] = None
+        for s in reversed(slots[len(new) :]):
+            order[s] = None
+            order.move_to_end(s, last=False)
+        return ev
 
-def _sim_lru(calls: CallTable, capacity: int, per_layer: bool):
-    C, L = calls.num_calls, calls.num_layers
+
+def _sim_lru(calls: CallTable, capacity: int, per_layer: bool, stream: str | None = None):
+    """global/per-layer LRU; ``stream`` "reserved" / "borrowed": the stream-* policies."""
+    C, L, E = calls.num_calls, calls.num_layers, calls.num_experts
     if per_layer:
         caches = [LRUCache(capacity // L, calls.pool) for _ in range(L)]
     else:
-        caches = [LRUCache(capacity, calls.pool)]
+        caches = [LRUCache(capacity - 2 * E * (stream == "reserved"), calls.pool)]
     nc = len(caches)
     mis, fil, evi = (np.zeros(C, dtype=np.int32) for _ in range(3))
     out_m, out_f, out_e = [], [], []
+    dec = calls.call_decode.tolist()
+    last2 = list(range(max(0, L - 2) * E, L * E))
     for c, items in _iter_calls(calls):
-        m, f, e = caches[c % nc].call(items)
+        if stream and not dec[c]:
+            m = f = 0
+            e = caches[0].borrow(2 * E, last2) if stream == "borrowed" and c % L == 0 else 0
+        else:
+            m, f, e = caches[c % nc].call(items)
         out_m.append(m)
         out_f.append(f)
         out_e.append(e)
@@ -467,7 +516,8 @@ def run_policy(calls: CallTable, policy: str, capacity: int) -> ReplayCounts:
     """Replay one policy at ``capacity`` slots.
 
     Raises:
-        ValueError for an unknown policy or a capacity outside [0, L*E].
+        ValueError for an unknown policy, a capacity outside [0, L*E], or one below a
+        stream-* policy's minimum.
     """
     if policy not in ALL_POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(ALL_POLICIES)}")
@@ -480,6 +530,14 @@ def run_policy(calls: CallTable, policy: str, capacity: int) -> ReplayCounts:
     fills = evictions = 0
     if policy in ("global-lru", "per-layer-lru"):
         mis, fil, evi, _ = _sim_lru(calls, capacity, per_layer=policy == "per-layer-lru")
+    elif policy in STREAM_POLICIES:
+        need = 2 * calls.num_experts + calls.meta["top_k"] * (policy == "stream-reserved")
+        if capacity < need:
+            raise ValueError(f"{policy} needs capacity >= {need} slots (2E buffers"
+                             + (" + top_k LRU slots" if policy == "stream-reserved" else "")
+                             + f"), got {capacity}")
+        mis, fil, evi, _ = _sim_lru(calls, capacity, False, stream=policy[len("stream-"):])
+        fills, evictions = int(fil.sum()), int(evi.sum())
     elif policy in ("belady", "belady-total"):
         mis, fil, evi = _sim_belady(calls, capacity, decode_only=policy == "belady")
     elif policy == "static-frequent":
@@ -513,7 +571,8 @@ def run_policy(calls: CallTable, policy: str, capacity: int) -> ReplayCounts:
     return ReplayCounts(
         policy=policy, trace=calls.label, capacity=capacity, pool=LE, synthetic=calls.synthetic,
         decode_reads=int(reads[dec].sum()), decode_misses=int(mis[dec].sum()),
-        prefill_reads=int(reads[~dec].sum()), prefill_misses=int(mis[~dec].sum()),
+        prefill_reads=0 if policy in STREAM_POLICIES else int(reads[~dec].sum()),
+        prefill_misses=int(mis[~dec].sum()),
         fills=fills, evictions=evictions, per_layer=per_layer,
     )
 
@@ -565,7 +624,7 @@ def replay(tables: list, policies=POLICIES, capacities_pct=DEFAULT_CAPACITIES,
                 t.next_use_keys(True)
             if "belady-total" in policies:
                 t.next_use_keys(False)
-        slow = [w for w in work if w[1] in ADMIT_ALL]
+        slow = [w for w in work if w[1] in ADMIT_ALL + STREAM_POLICIES]
         out = {}
         with ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork")) as ex:
             futs = {w: ex.submit(_job, w) for w in sorted(slow, key=lambda w: w[1] != "belady")}
@@ -704,6 +763,8 @@ STYLE = {
     "belady": dict(color="black", ls="--"),
     "belady-total": dict(color="gray", ls=":"),
     "static-layers": dict(color="tab:purple", marker="d", ms=3),
+    "stream-reserved": dict(color="tab:brown", marker="x", ms=4),
+    "stream-borrowed": dict(color="tab:pink", marker="+", ms=5),
 }
 
 

@@ -11,7 +11,9 @@ Systems (``--systems``, comma-separated):
   0.5 GiB;
 - ``ft-qstar``, ``ft-fill``, ``ft-cpu``: FreeToken with each miss policy, the cache at
   ``--cache-ratio`` of the pool, recording routing traces;
-- ``ft-allhit``: FreeToken with every expert resident, for the roofline's all-hit step time.
+- ``ft-allhit``: FreeToken with every expert resident, for the roofline's all-hit step time;
+- ``ft-fill-lru``: ``ft-fill`` with prefill through the decode LRU (``--freetoken-prefill
+  lru``), the prefill path before streaming.
 
     python benchmarks/run_all.py --shape qwen3-30b-a3b --cache-ratio 0.25 --scale 0.05 \\
         --systems stock-gpu,stock-offload,ft-qstar,ft-fill,ft-cpu --out-dir results/
@@ -90,7 +92,8 @@ def vocab_size(model_path: str) -> int:
     return int(getattr(cfg, "vocab_size", None) or getattr(cfg.get_text_config(), "vocab_size"))
 
 
-SYSTEMS = ("stock-gpu", "stock-offload", "ft-qstar", "ft-fill", "ft-cpu", "ft-allhit")
+SYSTEMS = ("stock-gpu", "stock-offload", "ft-qstar", "ft-fill", "ft-cpu", "ft-allhit",
+           "ft-fill-lru")
 
 
 def system_flags(name: str, args, pool_gib: float, trace_dir: str) -> List[str]:
@@ -113,6 +116,9 @@ def system_flags(name: str, args, pool_gib: float, trace_dir: str) -> List[str]:
         return ["--cpu-offload-gb", str(gib)]
     if name == "ft-allhit":
         return FT + ["--freetoken-cache-ratio", "1.0", "--freetoken-miss-policy", "fill"]
+    if name == "ft-fill-lru":  # prefill through the decode LRU: the path before streaming
+        return (FT + ratio + ["--freetoken-miss-policy", "fill", "--freetoken-prefill", "lru"]
+                + record)
     if name.startswith("ft-"):
         policy = name[3:]
         return FT + ratio + ["--freetoken-miss-policy", policy] + (bw if policy == "qstar" else []) + record

@@ -167,7 +167,7 @@ class FreeTokenConfig:
         metadata=dict(
             type=_positive_int,
             help="Prefill layer calls of at least this many rows stream (default: the "
-            "crossover rule, the rows at which a call is expected to route to 90%% of a "
+            "crossover rule, the rows at which a call is expected to route to 75%% of a "
             "layer's experts).",
         ),
     )

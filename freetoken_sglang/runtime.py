@@ -81,6 +81,8 @@ class FreeTokenRuntime:
         # Phase of the forward in flight (decode / extend), set per forward and during
         # graph capture; None falls back to the row count.
         self.phase: Optional[str] = None
+        # True while SGLang captures CUDA graphs (patches/cuda_graph.py).
+        self.capturing = False
         self.act_dtype = model_runner.model_config.dtype
         self.model_path = model_runner.server_args.model_path
         # Real rows of the current forward; rows past it are graph padding.
@@ -173,7 +175,7 @@ class FreeTokenRuntime:
                 self.num_experts,
                 self.pool.num_rows,
                 self.top_k,
-                self.config.stream_buffers,
+                0 if self.config.prefill == "lru" else self.config.stream_buffers,
             )
         t1 = time.perf_counter()
         null_slots = self.top_k if self.device.type == "cpu" else 0

@@ -6,7 +6,8 @@
   and zero the counters so serving starts from a clean state.
 - ``model_runner_components.cuda_graph_setup.capture_decode_graph`` and
   ``capture_prefill_graph`` (around): the layer calls captured there belong to decode or
-  extend forwards, which picks their executor (``execute/choice.py``).
+  extend forwards, which picks their executor (``execute/choice.py``); while they run, the
+  streamed prefill copies nothing (dummy batches).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ def _in_phase(phase):
         rt = get_runtime()
         if rt is None:
             return original(*args, **kwargs)
-        rt.phase = phase
+        rt.phase, rt.capturing = phase, True
         try:
             return original(*args, **kwargs)
         finally:
-            rt.phase = None
+            rt.phase, rt.capturing = None, False
 
     return around
 

@@ -83,6 +83,10 @@ def test_miss_policy_flags():
         ({"freetoken_cpu_threads": 4}, "--freetoken-cpu-threads is used only when"),
         ({"freetoken_cache_slots": 8, "freetoken_kv_reserve_gb": 4},
          "applies only without a cache-size flag"),
+        ({"freetoken_prefill": "lru", "freetoken_stream_min_tokens": 64},
+         "--freetoken-stream-min-tokens has no effect with --freetoken-prefill lru"),
+        ({"freetoken_prefill": "lru", "freetoken_stream_buffers": 1},
+         "--freetoken-stream-buffers has no effect with --freetoken-prefill lru"),
     ],
 )
 def test_ineffective_flag_combinations_are_refused(kw, needle):
@@ -104,19 +108,32 @@ def test_engine_keywords_are_validated():
         )
     with pytest.raises(ValueError, match="without enable_freetoken"):
         ft.pop_config({"freetoken_cache_ratio": 0.5})
+    cfg = ft.pop_config({"enable_freetoken": True, "freetoken_stream_buffers": "1",
+                         "freetoken_stream_min_tokens": 128})
+    assert (cfg.prefill, cfg.stream_buffers, cfg.stream_min_tokens) == ("stream", 1, 128)
+    with pytest.raises(ValueError, match="invalid choice '3'"):
+        ft.pop_config({"enable_freetoken": True, "freetoken_stream_buffers": 3})
+    with pytest.raises(ValueError, match="invalid choice 'off'"):
+        ft.pop_config({"enable_freetoken": True, "freetoken_prefill": "off"})
     assert ft.pop_config({"model_path": "m"}) is None
 
 
 def test_server_args_overrides():
     kw = ft.apply_server_args_overrides({"tp_size": 1, "moe_runner_backend": "auto"})
     assert kw["disable_shared_experts_fusion"] is True
+    # Mixed chunked prefill is served (the executor reads each row's routing).
+    kw = ft.apply_server_args_overrides({"enable_mixed_chunk": True, "device": "cpu"})
+    assert kw["enable_mixed_chunk"] is True and "chunked_prefill_size" not in kw
+    for ok in ("breakable", "disabled"):
+        ft.apply_server_args_overrides({"cuda_graph_backend_prefill": ok, "device": "cpu"})
     for bad, needle in [
         ({"tp_size": 2}, "--tp-size must be 1"),
         ({"quantization": "fp8"}, "--quantization fp8 is not supported"),
         ({"cpu_offload_gb": 4}, "--cpu-offload-gb"),
         ({"moe_runner_backend": "flashinfer_cutlass"}, "--moe-runner-backend"),
         ({"speculative_algorithm": "EAGLE"}, "speculative"),
-        ({"enable_mixed_chunk": True}, "--enable-mixed-chunk is not supported"),
+        ({"cuda_graph_backend_prefill": "full"}, "use breakable .* or --disable-prefill-cuda"),
+        ({"cuda_graph_backend_prefill": "tc_piecewise"}, "--cuda-graph-backend-prefill tc_"),
         ({"enable_torch_compile": True}, "--enable-torch-compile is not supported"),
         ({"enable_dp_attention": True}, "--enable-dp-attention is not supported"),
         ({"moe_a2a_backend": "deepep"}, "--moe-a2a-backend"),

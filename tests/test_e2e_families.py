@@ -2,8 +2,10 @@
 of the expert pool gives the same greedy tokens as stock SGLang (fp32) for every supported
 family and every miss policy (fill, qstar, cpu), through /generate, the OpenAI completion
 and chat endpoints and the Anthropic messages endpoint, including 8 concurrent requests of
-different lengths; the pure-CPU backend does too; and the tokens equal transformers'
-``generate`` for three families."""
+different lengths; prefill chunks of 64 tokens, so that the longer prompts stream their
+layers (full-layer prefill buffers) over several chunks while decode goes through the LRU;
+mixed chunked prefill too; the pure-CPU backend does too; and the tokens equal
+transformers' ``generate`` for three families."""
 
 from __future__ import annotations
 
@@ -15,16 +17,19 @@ import torch
 
 from sglang_cpu import start_server
 
-# Shapes keep 25% of the pool at or above one layer's worth of experts (the minimum cache).
+# Ten layers: 25% of the pool holds two full-layer prefill buffers plus an LRU of at least
+# top-k slots (2E + k), so prefill streams (cache/layout.py).
 FAMILY_SHAPES = {
-    "qwen3_moe": dict(num_layers=6, num_experts=16, top_k=4),
-    "qwen2_moe": dict(num_layers=4, num_experts=8, top_k=2),
-    "mixtral": dict(num_layers=4, num_experts=8, top_k=2),
-    "olmoe": dict(num_layers=4, num_experts=16, top_k=4),
-    "deepseek_v2": dict(num_layers=5, num_experts=8, top_k=2),
-    "deepseek_v3": dict(num_layers=5, num_experts=16, top_k=4),
-    "glm4_moe": dict(num_layers=5, num_experts=8, top_k=2),
+    "qwen3_moe": dict(num_layers=10, num_experts=16, top_k=4),
+    "qwen2_moe": dict(num_layers=10, num_experts=8, top_k=2),
+    "mixtral": dict(num_layers=10, num_experts=8, top_k=2),
+    "olmoe": dict(num_layers=10, num_experts=16, top_k=4),
+    "deepseek_v2": dict(num_layers=10, num_experts=8, top_k=2),
+    "deepseek_v3": dict(num_layers=10, num_experts=16, top_k=4),
+    "glm4_moe": dict(num_layers=10, num_experts=8, top_k=2),
 }
+# Several prefill chunks per long prompt, on stock and FreeToken alike.
+CHUNK = ["--chunked-prefill-size", "64"]
 # OLMoE is left out: stock SGLang 0.5.17 itself differs from transformers on it.
 TRANSFORMERS_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 
@@ -141,48 +146,68 @@ def assert_same_tokens(got, want, label):
     for key in ("completion", "chat", "messages"):
         assert got[key] == want[key], f"{label} {key}"
         assert len(got[key]) > 0
-    assert got["messages_usage"] == 16
+    assert got["messages_usage"] == want["messages_usage"] > 0
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_SHAPES))
 def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
     path = tiny_checkpoint(family, **FAMILY_SHAPES[family])
-    want, _, _ = serve_and_collect(path, [], str(tmp_path / "stock.log"))
+    want, _, _ = serve_and_collect(path, CHUNK, str(tmp_path / "stock.log"))
     for policy, flags in POLICIES.items():
         got, stats, log = serve_and_collect(
-            path, CACHE_25 + flags, str(tmp_path / f"freetoken-{policy}.log")
+            path, CHUNK + CACHE_25 + flags, str(tmp_path / f"freetoken-{policy}.log")
         )
         label = f"{family} {policy}"
         assert "GPU expert cache" in log and f"decode misses: {policy}" in log
+        assert "2 full-layer prefill buffers" in log
         assert_same_tokens(got, want, label)
         # the cache really served: a quarter of the pool, misses served as the policy says
         total = stats["total"]
         assert stats["miss_policy"] == policy
         assert stats["cache"]["slots"] == stats["pool"]["experts"] // 4
+        assert stats["cache"]["layout"] == "stream"
         assert total["reads"] == total["hits"] + total["fills"] + total["cpu"] > 0
         assert len(stats["layers"]) == stats["num_moe_layers"]
+        # prefill chunks streamed, outside the LRU: no LRU call was prefill-sized (decode
+        # batches wider than the small LRU ran in waves)
+        stream = stats["prefill_stream"]
+        assert stream["layer_calls"] > stream["wave_calls"]
+        assert stream["experts_streamed"] > 0
+        assert stream["bytes_streamed"] == stream["experts_streamed"] * stats["pool"]["expert_bytes"]
+        assert stats["prefill"]["reads"] == 0
         if policy == "fill":
-            assert total["cpu"] == 0 and total["hits"] > 0 and total["evictions"] > 0
+            assert total["cpu"] == 0 and total["fills"] > 0 and total["evictions"] > 0
         elif policy == "qstar":
-            assert total["fills"] > 0 and total["cpu"] > 0 and total["hits"] > 0
+            assert total["fills"] > 0 and total["cpu"] > 0
             assert stats["bandwidth"]["ratio"] == 0.5
         else:
-            # decode never fills; the 150-token prompt's prefill does
-            assert total["cpu"] > 0 and total["fills"] > 0
+            # decode never fills, and prefill streams outside the LRU
+            assert total["cpu"] > 0 and total["fills"] == 0
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_checkpoints_match_stock_sglang(tiny_checkpoint, dtype, tmp_path):
     """BF16 and FP16 experts (the pool keeps the checkpoint's dtype), served in that dtype."""
     path = tiny_checkpoint("mixtral", dtype=dtype, **FAMILY_SHAPES["mixtral"])
-    flags = ["--dtype", dtype]
+    flags = ["--dtype", dtype] + CHUNK
     want, _, _ = serve_and_collect(path, flags, str(tmp_path / "stock.log"))
     got, stats, log = serve_and_collect(
         path, flags + CACHE_25 + POLICIES["fill"], str(tmp_path / "ft.log")
     )
     assert f":{dtype}" in log  # the pool's banks are in the checkpoint dtype
     assert_same_tokens(got, want, f"mixtral {dtype}")
-    assert stats["total"]["fills"] > 0 and stats["total"]["hits"] > 0
+    assert stats["total"]["fills"] > 0 and stats["prefill_stream"]["layer_calls"] > 0
+
+
+def test_mixed_chunked_prefill_matches_stock_sglang(tiny_checkpoint, tmp_path):
+    """--enable-mixed-chunk: decode rows ride in the prefill chunks' forwards; the executor is
+    chosen by the forward's rows (execute/choice.py) and reads each row's own routing."""
+    path = tiny_checkpoint("qwen3_moe", **FAMILY_SHAPES["qwen3_moe"])
+    flags = CHUNK + ["--enable-mixed-chunk"]
+    want, _, _ = serve_and_collect(path, flags, str(tmp_path / "stock.log"))
+    got, stats, log = serve_and_collect(path, flags + CACHE_25, str(tmp_path / "ft.log"))
+    assert_same_tokens(got, want, "qwen3_moe mixed chunk")
+    assert stats["prefill_stream"]["layer_calls"] > 0
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])

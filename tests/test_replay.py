@@ -211,7 +211,8 @@ RANDOM = [  # the first has short prompts, so per-layer LRU admits everything fr
 def test_random_traces_bounds_and_full_capacity(kw):
     trace = SYN.generate(SYN.SyntheticParams(**kw))
     calls = R.build_calls(trace)
-    results = R.replay([calls], R.ALL_POLICIES, R.DEFAULT_CAPACITIES)
+    policies = [p for p in R.ALL_POLICIES if p not in R.STREAM_POLICIES]  # need >= 2E slots
+    results = R.replay([calls], policies, R.DEFAULT_CAPACITIES)
     by = {(r.policy, r.requested_pct): r for r in results}
     max_reads = int(calls.reads_per_call().max())
     checked = 0
@@ -230,7 +231,7 @@ def test_random_traces_bounds_and_full_capacity(kw):
             other = by[p, pct]
             assert (tot.decode_misses + tot.prefill_misses
                     <= other.decode_misses + other.prefill_misses), (p, pct)
-        for p in R.ALL_POLICIES:
+        for p in policies:
             r = by[p, pct]
             assert r.decode_reads == int(calls.reads_per_call()[calls.call_decode].sum())
             assert 0 <= r.decode_misses <= r.decode_reads
@@ -258,6 +259,65 @@ def test_random_traces_bounds_and_full_capacity(kw):
         m = [by[p, pct].decode_misses + (p == "belady-total") * by[p, pct].prefill_misses
              for pct in R.DEFAULT_CAPACITIES]
         assert m == sorted(m, reverse=True), p
+
+
+# Tiny trace 3 (L=4, E=2, k=1; pair l*2 + e; 2E = 4; last two layers = pairs 4..7):
+#  D1 {0,2,4,6}   D2 {1,2,4,7}   P (all 8 pairs)   D3 {0,3,4,6}   D4 {1,2,4,7}
+def _d(*experts):
+    return ("decode", [[[e] for e in experts]])
+
+
+TRACE3 = [_d(0, 0, 0, 0), _d(1, 0, 0, 1), ("prefill", [[[0], [1], [0], [1]], [[1], [0], [1], [0]]]),
+          _d(0, 1, 0, 0), _d(1, 0, 0, 1)]
+
+
+def test_stream_reserved_is_lru_without_prefill():
+    calls = R.build_calls(make_trace(TRACE3, 2))
+    no_pre = R.build_calls(make_trace(TRACE3[:2] + TRACE3[3:], 2))
+    # reserved at 8 = an LRU of 8 - 2E = 4 slots that never sees the prefill:
+    #  0,2,4,6 miss | 1 (evict 0), 2 hit, 4 hit, 7 (evict 6) | 0 (evict 1), 3 (evict 2), 4 hit,
+    #  6 (evict 7) | 1 (evict 0), 2 (evict 3), 4 hit, 7 (evict 6) -> 12 misses, 8 evictions.
+    for cap, lru in ((8, 4), (6, 2)):
+        r = R.run_policy(calls, "stream-reserved", cap)
+        m, _, _, _ = R._sim_lru(calls, cap, False, stream="reserved")
+        ref, _, _, _ = R._sim_lru(no_pre, lru, False)
+        assert m[calls.call_decode].tolist() == ref.tolist()  # every decode call, unchanged
+        assert (r.prefill_reads, r.prefill_misses) == (0, 0) and np.isnan(r.prefill_miss_rate)
+        assert r.decode_reads == 16
+    r = R.run_policy(calls, "stream-reserved", 8)
+    assert (r.decode_misses, r.fills, r.evictions) == (12, 12, 8)
+    assert R.run_policy(calls, "stream-reserved", 6).decode_misses == 16  # 2 slots: all miss
+    assert R.run_policy(calls, "stream-reserved", 5).decode_misses == 16
+    with pytest.raises(ValueError, match=r"stream-reserved needs capacity >= 5"):
+        R.run_policy(calls, "stream-reserved", 4)
+    # today's path at 6 (prefill through the LRU): decode 4 + 2 + 1 + 3 = 10, prefill 4.
+    g = R.run_policy(calls, "global-lru", 6)
+    assert (g.decode_misses, g.prefill_misses, g.prefill_reads) == (10, 4, 8)
+
+
+def test_stream_borrowed_evicts_tail_and_keeps_last_layers():
+    calls = R.build_calls(make_trace(TRACE3, 2))
+    # At 6 slots: D1 -> s0..s3 = 0,2,4,6; D2: 1 -> s4, 2 and 4 hit, 7 -> s5. LRU order
+    # s0(0) s3(6) s4(1) s1(2) s2(4) s5(7). The prefill borrows the 4 oldest (0, 6, 1, 2 evicted)
+    # and returns pairs 5, 6 (4 and 7 stay resident) to s0, s1; s3, s4 come back empty.
+    upto_p = R.build_calls(make_trace(TRACE3[:3], 2))
+    _, _, e, caches = R._sim_lru(upto_p, 6, False, stream="borrowed")
+    assert caches[0].owner == [5, 6, 4, -1, -1, 7]
+    assert list(caches[0].order) == [3, 4, 2, 5, 0, 1]
+    assert e.tolist() == [0] * 8 + [4, 0, 0, 0]
+    # D3: 0 -> s3, 3 -> s4 (empty, no eviction), 4 and 6 hit; D4: 1 (evict 7), 2 (evict 5),
+    # 4 hit, 7 (evict 0) -> decode 4 + 2 + 2 + 3 = 11, evictions 4 + 3.
+    r = R.run_policy(calls, "stream-borrowed", 6)
+    assert (r.decode_misses, r.decode_reads, r.prefill_reads, r.prefill_misses) == (11, 16, 0, 0)
+    assert (r.fills, r.evictions) == (11, 7)
+    # At 8: the prefill takes the 2 never-used slots and evicts 0 and 6; 6 comes back (layer 3),
+    # 0 and 3 then fill the 2 empty slots -> decode 4 + 2 + 2 + 0 = 8.
+    r = R.run_policy(calls, "stream-borrowed", 8)
+    assert (r.decode_misses, r.evictions) == (8, 2)
+    # At 4: the prefill evicts all 4 and returns 4, 5, 6, 7 -> decode 4 + 2 + 4 + 3 = 13.
+    assert R.run_policy(calls, "stream-borrowed", 4).decode_misses == 13
+    with pytest.raises(ValueError, match=r"stream-borrowed needs capacity >= 4"):
+        R.run_policy(calls, "stream-borrowed", 3)
 
 
 @pytest.mark.parametrize("S", [8, 13, 24])
@@ -356,7 +416,8 @@ def test_replay_errors():
     with pytest.raises(ValueError, match="percentages"):
         R.capacity_slots(120, 8)
     assert R.capacity_slots(37, 6144) == 2273
-    assert [R.run_policy(calls, p, 0).decode_misses for p in R.ALL_POLICIES] == [16] * 7
+    plain = [p for p in R.ALL_POLICIES if p not in R.STREAM_POLICIES]
+    assert [R.run_policy(calls, p, 0).decode_misses for p in plain] == [16] * 7
 
 
 def test_cli_synthetic_outputs_labelled(tmp_path):

@@ -1,7 +1,8 @@
-"""Start-up limits and errors of ``--enable-freetoken`` on a real CPU-run server: a cache too
-small for one layer is refused with the minimum, an unsupported or quantized model fails
-naming itself, a cache as large as the pool makes every expert resident (no fills), and the
-``sglang.Engine`` keyword form works."""
+"""Start-up limits and errors of ``--enable-freetoken`` on a real CPU-run server: a cache
+smaller than one layer serves in waves, token for token as stock; one smaller than top-k is
+refused with the minimum; an unsupported or quantized model fails naming itself, a cache as
+large as the pool makes every expert resident (no fills), and the ``sglang.Engine`` keyword
+form works."""
 
 from __future__ import annotations
 
@@ -15,15 +16,35 @@ from inproc import run_check
 from sglang_cpu import run_launch_server_expecting_failure, start_server
 
 
-def test_cache_smaller_than_one_layer_is_refused_with_the_minimum(tiny_checkpoint):
-    path = tiny_checkpoint("qwen3_moe")  # 8 experts per layer
+def test_cache_smaller_than_top_k_is_refused_with_the_minimum(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe")  # 8 experts per layer, top-2
     out = run_launch_server_expecting_failure(
-        path, ["--enable-freetoken", "--freetoken-cache-slots", "5"]
+        path, ["--enable-freetoken", "--freetoken-cache-slots", "1"]
     )
     log = out.stdout + out.stderr
     assert out.returncode != 0
-    assert "would hold 5 slots, but at least 8 are needed" in log
-    assert "--freetoken-cache-slots 8" in log
+    assert "would hold 1 slots, but at least 2 are needed" in log
+    assert "--freetoken-cache-slots 2" in log
+
+
+def test_cache_smaller_than_one_layer_serves_in_waves(tiny_checkpoint, tmp_path):
+    """5 slots, 8 experts per layer: a 2-expert wave buffer and a 3-slot LRU; every prefill
+    chunk and most decode batches run in waves, and the tokens equal stock's."""
+    from test_e2e_families import assert_same_tokens, serve_and_collect
+
+    path = tiny_checkpoint("qwen3_moe")
+    flags = ["--chunked-prefill-size", "64"]
+    want, _, _ = serve_and_collect(path, flags, str(tmp_path / "stock.log"))
+    got, stats, log = serve_and_collect(
+        path, flags + ["--enable-freetoken", "--freetoken-cache-slots", "5"],
+        str(tmp_path / "ft.log"),
+    )
+    assert "2-expert wave buffer" in log
+    assert_same_tokens(got, want, "qwen3_moe waves")
+    assert stats["cache"]["layout"] == "waves" and stats["cache"]["lru_slots"] == 3
+    stream = stats["prefill_stream"]
+    assert stream["wave_calls"] == stream["layer_calls"] > 0
+    assert stream["experts_streamed"] > 0
 
 
 def test_unsupported_architecture_fails_at_start(tiny_dir):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from freetoken_sglang.cache.residency import decide
+from freetoken_sglang.cache.residency import MissSplit, decide
 from freetoken_sglang.execute.contract import LayerCall
 from freetoken_sglang.execute.slot_moe import routed_scale
 
@@ -19,10 +19,8 @@ class CpuBackendExecutor:
     name = "cpu"
 
     def __init__(self, runtime):
-        from freetoken_sglang.cache.residency import MissSplit
-
         self.rt = runtime
-        self.split = MissSplit(0.0, 0)
+        self.split = MissSplit(0.0, 0)  # every routed expert to the CPU, none filled
 
     def run(self, call: LayerCall) -> torch.Tensor:
         rt = self.rt

@@ -81,10 +81,20 @@ class PrefillStreamExecutor:
                 self._issue(ordinal)
 
     def _snapshot(self) -> None:
+        """Read the residency table (a sync), and order this forward's copies after every
+        kernel queued so far (a decode wave may have used the buffer rows)."""
         self.res_host = self.cache.residency.residency[: self.L * self.E].cpu()
+        if self.on_cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream())
 
     def _issue(self, ordinal: int) -> None:
+        """Copy layer ``ordinal``'s non-resident experts into its buffer. While SGLang
+        captures graphs (``runtime.capturing``: dummy batches, outputs discarded) nothing is
+        copied, or every captured token count would move the whole pool."""
         b = ordinal % self.buffers
+        if self.rt.capturing:
+            self.pending[ordinal] = (b, None)
+            return
         base = self.layout.buffer_base(b, self.E)
         res = self.res_host[ordinal * self.E : (ordinal + 1) * self.E]
         missing = (res < 0).tolist()
@@ -109,9 +119,14 @@ class PrefillStreamExecutor:
 
     # ---- the contract --------------------------------------------------------------------
     def run(self, call: LayerCall) -> torch.Tensor:
+        # The tensors go as arguments of their own: a graph break replays the function with
+        # its captured tensor arguments (the graph's static buffers).
         return self._run(call.layer, call.ordinal, call.x, call.topk_weights, call.topk_ids, call)
 
     def _run_eager(self, layer, ordinal, x, topk_weights, topk_ids, call) -> torch.Tensor:
+        """The layer call: wait for the layer's copy, compute from its buffer and the LRU
+        slots, free the buffer for layer ``ordinal + buffers``. ``x`` and the top-k tensors
+        alias ``call``'s."""
         if self.res_host is None:  # not announced by begin_forward (e.g. graph padding)
             self._snapshot()
         if ordinal not in self.pending:

@@ -1,0 +1,226 @@
+"""The executors behind the contract (``execute/``), in process on the CPU: streamed prefill
+and waves give SGLang's own native MoE output over the layer's weights, and leave the LRU
+(residency, owners, recency keys, clock) exactly as it was; plus the rules that pick them:
+the slot layout, the streaming crossover and the chunk size, with stated inputs and outputs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from freetoken_sglang.cache.layout import plan_layout
+from freetoken_sglang.execute.choice import (
+    STREAM_MIN_EXPERT_FRACTION,
+    ExecutorChoice,
+    choose_chunked_prefill_size,
+    expected_distinct_experts,
+    stream_min_rows,
+)
+
+
+def test_crossover_rule():
+    # The fewest rows expected to route to 75% of the layer's experts (uniform routing).
+    assert STREAM_MIN_EXPERT_FRACTION == 0.75
+    assert stream_min_rows(128, 8) == 22  # Qwen3-30B-A3B
+    assert stream_min_rows(8, 2) == 5
+    assert stream_min_rows(16, 4) == 5
+    assert stream_min_rows(256, 8) == 44
+    assert stream_min_rows(4, 4) == 1
+    assert stream_min_rows(128, 8, fraction=0.9) == 36
+    for E, k in ((128, 8), (8, 2), (64, 6)):
+        n = stream_min_rows(E, k)
+        assert expected_distinct_experts(n, E, k) >= 0.75 * E
+        assert expected_distinct_experts(n - 1, E, k) < 0.75 * E
+    assert expected_distinct_experts(1, 128, 8) == pytest.approx(8.0)
+    with pytest.raises(ValueError):
+        stream_min_rows(8, 2, fraction=1.0)
+    with pytest.raises(ValueError):
+        stream_min_rows(8, 9)
+
+
+def test_chunk_size_rule():
+    # GPU MiB -> chunk: a quarter of the memory for SGLang's 512 MiB + 1.5 MiB/token reserve.
+    assert choose_chunked_prefill_size(8192) == 2048  # floor
+    assert choose_chunked_prefill_size(24576) == 2048  # 4090: 6144 MiB budget, 4096 needs 6656
+    assert choose_chunked_prefill_size(32607) == 4096  # 5090
+    assert choose_chunked_prefill_size(81920) == 8192  # H100 80 GB
+    assert choose_chunked_prefill_size(143771) == 16384  # H200
+    assert choose_chunked_prefill_size(10**7) == 32768  # ceiling
+    assert choose_chunked_prefill_size(143771, context_len=4096) == 4096
+    assert choose_chunked_prefill_size(143771, context_len=5000) == 8192
+
+
+def test_slot_layout():
+    E, k, rows = 16, 4, 160
+    assert plan_layout(160, E, rows, k).kind == "resident"
+    s = plan_layout(40, E, rows, k)  # 2E + k = 36 <= 40: double-buffered
+    assert (s.kind, s.lru_slots, s.buffer_rows, s.buffers, s.total) == ("stream", 8, 32, 2, 40)
+    assert s.buffer_base(1, E) == 24
+    s = plan_layout(40, E, rows, k, buffers=1)
+    assert (s.kind, s.lru_slots, s.buffer_rows) == ("stream", 24, 16)
+    s = plan_layout(35, E, rows, k)  # one short of two layers + k: waves
+    assert (s.kind, s.lru_slots, s.buffer_rows) == ("waves", 27, 8)
+    s = plan_layout(6, E, rows, k)  # too few for an LRU of k beside a wave buffer
+    assert (s.kind, s.lru_slots, s.buffer_rows) == ("waves", 0, 6)
+    s = plan_layout(40, E, rows, k, buffers=0)
+    assert (s.kind, s.lru_slots, s.buffer_rows) == ("lru", 40, 0)
+    with pytest.raises(ValueError):
+        plan_layout(3, E, rows, k)
+
+
+def test_executor_choice():
+    c = ExecutorChoice("gpu", "stream", lru_slots=1280, num_experts=128, top_k=8,
+                       stream_min_rows=36)
+    assert c.executor_for(36, "extend") == "stream"
+    assert c.executor_for(35, "extend") == "decode"
+    assert c.executor_for(256, "decode") == "decode"  # decode never streams
+    tiny = ExecutorChoice("gpu", "stream", lru_slots=8, num_experts=128, top_k=8,
+                          stream_min_rows=36)
+    assert tiny.executor_for(4, "extend") == "stream"  # 32 distinct > 8 LRU slots
+    assert tiny.executor_for(4, "decode") == "waves"  # graph-safe for decode graphs
+    w = ExecutorChoice("gpu", "waves", lru_slots=12, num_experts=16, top_k=4,
+                       stream_min_rows=9)
+    assert w.executor_for(9, "extend") == "waves"
+    assert w.executor_for(3, "decode") == "decode"  # 12 distinct at most: fits
+    assert w.executor_for(4, "decode") == "waves"
+    assert w.executor_for(4, "extend") == "waves"
+    lru = ExecutorChoice("gpu", "lru", lru_slots=40, num_experts=16, top_k=4,
+                         stream_min_rows=9, prefill="lru")
+    assert lru.executor_for(500, "extend") == "decode"
+    assert ExecutorChoice("cpu", "waves", 0, 16, 4, 9).executor_for(500, "extend") == "cpu"
+    assert ExecutorChoice("gpu", "resident", 160, 16, 4, 9).executor_for(500, "extend") == "decode"
+
+
+# ---- executors over a real pool and cache ----------------------------------------------
+
+L, E, K, H, I = 5, 8, 2, 32, 16
+
+
+@pytest.fixture(scope="module")
+def published(tiny_checkpoint):
+    """SGLang's activation ops read config bags that a server publishes at start."""
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+
+    publish(ServerArgs(model_path=tiny_checkpoint("qwen3_moe"), device="cpu"), role="test")
+
+
+def _runtime(num_slots: int, buffers: int = 2):
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+
+    from freetoken_sglang.cache.slots import ExpertCache
+    from freetoken_sglang.pool import HostExpertPool, bank_specs_for_layer
+
+    g = torch.Generator().manual_seed(0)
+    pool = HostExpertPool(list(range(L)), E, bank_specs_for_layer(H, I, torch.float32))
+    for bank in pool.banks.values():
+        bank.copy_(torch.randn(bank.shape, generator=g) * 0.3)
+    layout = plan_layout(num_slots, E, pool.num_rows, K, buffers)
+    cache = ExpertCache(pool, layout, "cpu", null_slots=K)
+    rt = SimpleNamespace(cache=cache, num_valid=torch.tensor([0], dtype=torch.int32),
+                         capturing=False)
+    cfg = MoeRunnerConfig(num_experts=E, num_local_experts=E, top_k=K, activation="silu")
+    layers = [
+        SimpleNamespace(moe_runner_config=cfg, w13_weight=pool.layer_rows("w13_weight", l),
+                        w2_weight=pool.layer_rows("w2_weight", l))
+        for l in range(L)
+    ]
+    return rt, pool, layers
+
+
+def _call(layer, ordinal, T, seed):
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    from freetoken_sglang.execute.contract import LayerCall
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+    w = torch.rand(T, K, generator=g)
+    topk = StandardTopKOutput(w, ids, torch.zeros(T, E))
+    return LayerCall(layer=layer, ordinal=ordinal, x=x, topk_weights=w, topk_ids=ids,
+                     topk_output=topk)
+
+
+def _stock(call):
+    """SGLang's native MoE over the layer's own [E, ...] weights (what stock computes)."""
+    from sglang.srt.layers.moe.fused_moe_native import moe_forward_native
+
+    layer = SimpleNamespace(num_experts=E, w13_weight=call.layer.w13_weight,
+                            w2_weight=call.layer.w2_weight)
+    return moe_forward_native(layer, call.x, call.topk_output, call.layer.moe_runner_config)
+
+
+def _warm_lru(rt, steps=12):
+    """Decode-sized layer calls through the LRU (decision and fills), so that some experts
+    are resident."""
+    from freetoken_sglang.cache.residency import decide
+
+    counters = torch.zeros(5, L, dtype=torch.int64)
+    for s in range(steps):
+        call = _call(None, s % L, 1, 1000 + s)
+        rt.num_valid.fill_(1)
+        d = decide(rt.cache.residency, counters, s % L, E, call.topk_ids, call.topk_weights,
+                   rt.num_valid)
+        rt.cache.filler.run(d.plan)
+
+
+def _lru_state(rt):
+    r = rt.cache.residency
+    return [t.clone() for t in (r.residency, r.owner, r.key, r.clock, r.cpu_stamp)]
+
+
+@pytest.mark.parametrize("buffers", [2, 1])
+def test_streamed_prefill_matches_stock_and_leaves_the_lru_alone(buffers, published):
+    from freetoken_sglang.execute.prefill_stream import PrefillStreamExecutor
+
+    rt, pool, layers = _runtime(num_slots=2 * E + 6 if buffers == 2 else E + 6, buffers=buffers)
+    assert rt.cache.layout.kind == "stream"
+    _warm_lru(rt)
+    resident = int((rt.cache.residency.residency[: L * E] >= 0).sum())
+    assert resident > 0
+    before = _lru_state(rt)
+    ex = PrefillStreamExecutor(rt)
+    for forward in range(2):  # two forwards: buffers are reused across them
+        ex.begin_forward(prefetch=forward == 0)  # the second starts lazily at layer 0
+        for l in range(L):
+            call = _call(layers[l], l, 40, 10 * forward + l)
+            rt.num_valid.fill_(40)
+            assert torch.equal(ex.run(call), _stock(call)), (forward, l)
+    for a, b in zip(before, _lru_state(rt)):
+        assert torch.equal(a, b)
+    counts = ex.snapshot()
+    assert counts["layer_calls"] == 2 * L
+    assert counts["experts_reused"] == 2 * resident
+    assert counts["experts_streamed"] == 2 * (L * E - resident)
+    # While SGLang captures graphs (dummy batches) nothing is copied.
+    rt.capturing = True
+    ex.reset()
+    ex.begin_forward(prefetch=True)
+    for l in range(L):
+        ex.run(_call(layers[l], l, 40, 99))
+    assert ex.snapshot()["experts_streamed"] == 0
+
+
+def test_waves_match_stock_and_leave_the_lru_alone(published):
+    from freetoken_sglang.execute.waves import WaveExecutor
+
+    rt, pool, layers = _runtime(num_slots=9)  # < 2E + k: waves of max(k, 9 // 4) = 2 rows
+    assert (rt.cache.layout.kind, rt.cache.layout.buffer_rows) == ("waves", 2)
+    _warm_lru(rt)
+    before = _lru_state(rt)
+    ex = WaveExecutor(rt)
+    for T, valid in ((40, 40), (3, 3), (6, 4)):  # (6, 4): two rows of graph padding
+        for l in range(L):
+            call = _call(layers[l], l, T, 100 * T + l)
+            rt.num_valid.fill_(valid)
+            got = ex.run(call)
+            want = _stock(call)
+            torch.testing.assert_close(got[:valid], want[:valid], rtol=1e-5, atol=1e-5)
+    for a, b in zip(before, _lru_state(rt)):
+        assert torch.equal(a, b)
+    counts = ex.snapshot()
+    assert counts["layer_calls"] == 3 * L
+    assert counts["experts_streamed"] + counts["experts_reused"] > 0
