@@ -311,19 +311,20 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
         raise ValueError("; ".join(problems))
 
 
-def _choose_chunk(kwargs: Dict[str, Any]) -> None:
-    """Set ``chunked_prefill_size`` when the user gave none, on a CUDA device
-    (``execute.choice.choose_chunked_prefill_size``); logged."""
+def _choose_chunk(kwargs: Dict[str, Any], cfg: Optional[FreeTokenConfig]) -> None:
+    """Set ``chunked_prefill_size`` when the user gave none and prefill streams on a GPU
+    (``execute.choice.choose_chunked_prefill_size``); logged. The GPU memory comes from
+    SGLang's own ``get_device_memory_capacity`` (what its ``ServerArgs`` sizes with); without
+    a GPU it is None and SGLang's default stands."""
     if kwargs.get("chunked_prefill_size") is not None or kwargs.get("device") == "cpu":
+        return
+    if cfg is not None and (cfg.prefill != "stream" or cfg.backend != "gpu"):
         return
     from sglang.srt.utils.common import get_device_memory_capacity
 
     from freetoken_sglang.execute.choice import choose_chunked_prefill_size
 
-    try:
-        gpu_mem = get_device_memory_capacity(kwargs.get("device") or "cuda")
-    except Exception:  # no CUDA device here: SGLang's own default stands
-        gpu_mem = None
+    gpu_mem = get_device_memory_capacity(kwargs.get("device") or "cuda")
     if not gpu_mem:
         return
     context = int(kwargs.get("context_length") or 0)
@@ -338,7 +339,9 @@ def _choose_chunk(kwargs: Dict[str, Any]) -> None:
     kwargs["chunked_prefill_size"] = chunk
 
 
-def apply_server_args_overrides(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+def apply_server_args_overrides(
+    kwargs: Dict[str, Any], cfg: Optional[FreeTokenConfig] = None
+) -> Dict[str, Any]:
     """ServerArgs keyword changes the FreeToken mode needs, applied before SGLang's own
     ``__post_init__`` sees them; each change is logged.
 
@@ -377,17 +380,18 @@ def apply_server_args_overrides(kwargs: Dict[str, Any]) -> Dict[str, Any]:
         if kwargs.get(flag):
             problems.append(f"--{flag.replace('_', '-')} is not supported")
     prefill_graph = kwargs.get("cuda_graph_backend_prefill")
-    if prefill_graph not in (None, "breakable", "disabled"):
+    streams = cfg is None or (cfg.prefill == "stream" and cfg.backend == "gpu")
+    if streams and prefill_graph not in (None, "breakable", "disabled"):
         problems.append(
             f"--cuda-graph-backend-prefill {prefill_graph} cannot run the streamed prefill "
-            "(it needs the breakable backend's eager breaks): use breakable (the default) or "
-            "--disable-prefill-cuda-graph"
+            "(it needs the breakable backend's eager breaks): use breakable (the default), "
+            "--disable-prefill-cuda-graph or --freetoken-prefill lru"
         )
     if (kwargs.get("disaggregation_mode") or "null") != "null":
         problems.append("prefill/decode disaggregation is not supported")
     if problems:
         raise ValueError("--enable-freetoken: " + "; ".join(problems))
-    _choose_chunk(kwargs)
+    _choose_chunk(kwargs, cfg)
     if not kwargs.get("disable_shared_experts_fusion"):
         logger.info(
             "FreeToken: setting disable_shared_experts_fusion=True so that shared "

@@ -25,9 +25,6 @@ from freetoken_sglang.miss_policy import SPLIT_MAX_TOKENS, MissPolicy
 from freetoken_sglang.observe.counters import ExpertCounters
 from freetoken_sglang.pool import GIB, BankSpec, HostExpertPool, pool_fits_host
 
-# The pure-CPU backend: no slot, every routed expert on the CPU, whatever the batch size.
-CPU_ONLY = MissSplit(0.0, 0)
-
 logger = logging.getLogger(__name__)
 
 _RUNTIME: Optional["FreeTokenRuntime"] = None
@@ -83,6 +80,8 @@ class FreeTokenRuntime:
         self.phase: Optional[str] = None
         # True while SGLang captures CUDA graphs (patches/cuda_graph.py).
         self.capturing = False
+        # Forwards seen per mode (decode, extend, mixed), for the stats document.
+        self.forwards = {"decode": 0, "extend": 0, "mixed": 0}
         self.act_dtype = model_runner.model_config.dtype
         self.model_path = model_runner.server_args.model_path
         # Real rows of the current forward; rows past it are graph padding.
@@ -138,6 +137,7 @@ class FreeTokenRuntime:
                 f"has MoE layers {self.moe_layer_ids}"
             )
         sa = model_runner.server_args
+        self._check_prefill_graph(sa)
         # The most rows one forward can carry (prefill chunks, decode batches).
         max_tokens = max(
             sa.max_prefill_tokens or 0,
@@ -155,7 +155,7 @@ class FreeTokenRuntime:
 
         if self.backend == "cpu":
             size = CacheSize(0, "--freetoken-backend cpu: no GPU expert cache")
-            layout = SlotLayout(0, 0, 0, 0, "waves")
+            layout = SlotLayout(0, 0, 0, 0, "none")
         else:
             reason = f"one token's top-k experts (k={self.top_k}); larger calls run in waves"
             free_bytes = slack = None
@@ -221,6 +221,26 @@ class FreeTokenRuntime:
             pin_s,
             self.describe_prefill(),
         )
+
+    def _check_prefill_graph(self, sa) -> None:
+        """Refuse a prefill CUDA-graph backend that cannot run the streamed prefill (it needs
+        the breakable backend's eager breaks), as SGLang resolved it (``--cuda-graph-config``
+        and SGLang's own compatibility switches included).
+
+        Raises:
+            ValueError: naming the backend and the fix.
+        """
+        if self.device.type != "cuda" or self.backend != "gpu" or self.config.prefill != "stream":
+            return
+        graphs = getattr(sa, "cuda_graph_config", None)
+        backend = getattr(getattr(graphs, "prefill", None), "backend", None)
+        if backend not in (None, "breakable", "disabled"):
+            raise ValueError(
+                f"--enable-freetoken: the prefill CUDA graph backend resolved to {backend!r}, "
+                "which cannot run the streamed prefill (it needs the breakable backend's eager "
+                "breaks): use --cuda-graph-backend-prefill breakable, "
+                "--disable-prefill-cuda-graph, or --freetoken-prefill lru"
+            )
 
     def _start_cpu_side(self, max_tokens: int) -> None:
         """Start the C executor and the CPU branch when some misses run on the CPU, and
@@ -308,14 +328,24 @@ class FreeTokenRuntime:
             f"{src}), outside the LRU."
         )
 
-    def begin_forward(self, phase: str, num_tokens: int) -> None:
-        """Before a forward of ``phase`` over ``num_tokens`` rows: record the phase, and
+    def begin_forward(self, phase: str, num_tokens: int, mixed: bool = False) -> None:
+        """Before a forward of ``phase`` (``decode`` or ``extend``; ``mixed``: an extend
+        forward that carries decode rows too) over ``num_tokens`` rows: record the phase, and
         start streaming the first layers when this forward's layer calls will stream."""
         self.phase = phase
+        self.forwards["mixed" if mixed else phase] += 1
         stream = self.executors.get("stream")
         if stream is not None:
             streams = self.choice.executor_for(num_tokens, phase) == "stream"
             stream.begin_forward(prefetch=streams)
+
+    def end_forward(self) -> None:
+        """After a forward (also one that raised): forget its phase and its streaming
+        state, so that no later layer call can reuse its residency snapshot."""
+        self.phase = None
+        stream = self.executors.get("stream")
+        if stream is not None:
+            stream.end_forward()
 
     def describe_policy(self) -> str:
         if self.backend == "cpu":
@@ -335,9 +365,7 @@ class FreeTokenRuntime:
         return num_tokens <= SPLIT_MAX_TOKENS
 
     def split_for(self, num_tokens: int) -> MissSplit:
-        """How a layer call over ``num_tokens`` rows serves its misses."""
-        if self.backend == "cpu":
-            return CPU_ONLY
+        """How a decode-executor layer call over ``num_tokens`` rows serves its misses."""
         return self.policy.split_for(num_tokens)
 
     # ---- serving ------------------------------------------------------------------------

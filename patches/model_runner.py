@@ -58,12 +58,13 @@ def forward_raw(original, self, forward_batch, *args, **kwargs):
     ids = forward_batch.input_ids
     n = ids.shape[0] if ids is not None else forward_batch.positions.shape[0]
     rt.set_num_valid(n)
-    decode = forward_batch.forward_mode.is_decode()
-    rt.begin_forward("decode" if decode else "extend", n)
+    mode = forward_batch.forward_mode
+    decode = mode.is_decode()
+    rt.begin_forward("decode" if decode else "extend", n, mixed=mode.is_mixed())
     try:
         result = original(self, forward_batch, *args, **kwargs)
     finally:
-        rt.phase = None
+        rt.end_forward()
     if rt.recorder is not None or rt.cpu_branch is not None:
         rt.end_step("decode" if decode else "prefill", n)
     return result

@@ -49,7 +49,7 @@ def server_args_init(original, self, *args, **kwargs):
         from freetoken_sglang.plugin import check_hooks_applied
 
         check_hooks_applied()
-        kwargs = ft_config.apply_server_args_overrides(kwargs)
+        kwargs = ft_config.apply_server_args_overrides(kwargs, cfg)
     original(self, *args, **kwargs)
     if cfg is not None:
         from freetoken_sglang.families import check_model_path

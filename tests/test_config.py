@@ -126,13 +126,16 @@ def test_server_args_overrides():
     assert kw["enable_mixed_chunk"] is True and "chunked_prefill_size" not in kw
     for ok in ("breakable", "disabled"):
         ft.apply_server_args_overrides({"cuda_graph_backend_prefill": ok, "device": "cpu"})
+    # Prefill through the LRU does not stream: any prefill graph backend is fine.
+    lru = ft.pop_config({"enable_freetoken": True, "freetoken_prefill": "lru"})
+    ft.apply_server_args_overrides({"cuda_graph_backend_prefill": "full", "device": "cpu"}, lru)
     for bad, needle in [
         ({"tp_size": 2}, "--tp-size must be 1"),
         ({"quantization": "fp8"}, "--quantization fp8 is not supported"),
         ({"cpu_offload_gb": 4}, "--cpu-offload-gb"),
         ({"moe_runner_backend": "flashinfer_cutlass"}, "--moe-runner-backend"),
         ({"speculative_algorithm": "EAGLE"}, "speculative"),
-        ({"cuda_graph_backend_prefill": "full"}, "use breakable .* or --disable-prefill-cuda"),
+        ({"cuda_graph_backend_prefill": "full"}, "use breakable .*, --disable-prefill-cuda-graph or"),
         ({"cuda_graph_backend_prefill": "tc_piecewise"}, "--cuda-graph-backend-prefill tc_"),
         ({"enable_torch_compile": True}, "--enable-torch-compile is not supported"),
         ({"enable_dp_attention": True}, "--enable-dp-attention is not supported"),

@@ -34,7 +34,8 @@ class SlotLayout:
         buffer_rows: rows ``[lru_slots, total)``: ``buffers * E`` under ``stream``, the wave
             size under ``waves``, 0 under ``resident``.
         buffers: full-layer buffers under ``stream`` (1 or 2), else 0.
-        kind: ``resident``, ``stream``, ``waves`` or ``lru``.
+        kind: ``resident``, ``stream``, ``waves``, ``lru``, or ``none`` (no slot: the CPU
+            backend).
     """
 
     total: int
@@ -84,7 +85,8 @@ def plan_layout(
         rest would be under k slots: then every layer call runs in waves).
 
     Raises:
-        ValueError: S < k (no layer call of one token could be served), or buffers not 1/2.
+        ValueError: S < k (no layer call of one token could be served), or buffers not 0, 1
+            or 2.
     """
     if buffers not in (0, 1, 2):
         raise ValueError(f"prefill buffers must be 0, 1 or 2, got {buffers}")

@@ -17,8 +17,9 @@ from freetoken_sglang.cache.residency import max_unique_experts
 # behind compute; on demand, the LRU path moves the call's distinct misses, one layer after
 # another, and evicts the decode working set. Measured on the H200 (Qwen3-30B-A3B shape,
 # 25% cache; benchmarks/RESULTS.md, session 6, bench_prefill.py's short prompts): a streamed
-# forward took 0.84-0.86 s whatever its rows; the LRU path 0.78 s at 16 rows (64% of the
-# experts expected) and 1.03 s at 32 rows (87%); the times cross near 21 rows (73%).
+# forward took 0.84-0.86 s at 64-512 rows; the LRU path 0.78 s at 16 rows (64% of the experts
+# expected) and 1.03 s at 32 rows (87%); interpolated, they cross near 21 rows (73%). Measured
+# for that shape and link only.
 STREAM_MIN_EXPERT_FRACTION = 0.75
 
 DECODE, EXTEND = "decode", "extend"

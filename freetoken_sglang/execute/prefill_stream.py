@@ -80,6 +80,11 @@ class PrefillStreamExecutor:
             for ordinal in range(min(self.buffers, self.L)):
                 self._issue(ordinal)
 
+    def end_forward(self) -> None:
+        """End of a forward: its snapshot and buffers are no longer valid."""
+        self.pending.clear()
+        self.res_host = None
+
     def _snapshot(self) -> None:
         """Read the residency table (a sync), and order this forward's copies after every
         kernel queued so far (a decode wave may have used the buffer rows)."""

@@ -19,8 +19,9 @@ class WaveExecutor:
     """Serves a layer call in ``ceil(K / W)`` waves (K: the call's most distinct experts, W:
     the wave buffer's rows). Resident experts run from their LRU slots in the first wave; the
     call's non-resident distinct experts, in expert order, fill the wave buffer W at a time
-    (the cache's filler: UVA on CUDA) and run; the partial outputs are summed in fp32. The
-    LRU is not touched. Every count and index stays on the device and the wave count comes
+    (the cache's filler: UVA on CUDA) and run; each wave's partial output, in the layer
+    dtype, is summed in fp32 (so in BF16 the result can differ from stock's single sum in the
+    last bit). The LRU is not touched. Every count and index stays on the device and the wave count comes
     from shapes, so decode CUDA graphs capture it.
 
     Args:

@@ -31,8 +31,8 @@ def prefill_stream_counts(rt) -> Dict[str, object]:
 
 def stats_document(rt) -> Dict[str, object]:
     """Pool, cache, layout, backend, miss policy, bandwidths, the LRU counters (``decode`` and
-    ``prefill`` phases count only layer calls that went through the LRU), ``prefill_stream``
-    and the load report of the runtime ``rt``."""
+    ``prefill`` phases count only layer calls that went through the LRU), ``prefill_stream``,
+    the forwards seen per mode and the load report of the runtime ``rt``."""
     out: Dict[str, object] = {
         "family": rt.family,
         "num_moe_layers": len(rt.moe_layer_ids),
@@ -75,5 +75,6 @@ def stats_document(rt) -> Dict[str, object]:
         out.update(rt.counters.snapshot())
     if rt.executors:
         out["prefill_stream"] = prefill_stream_counts(rt)
+    out["forwards"] = dict(rt.forwards)
     out["load"] = dict(rt.load_report)
     return out
