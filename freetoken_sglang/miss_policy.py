@@ -4,9 +4,12 @@ over PCIe and in-place CPU execution (paper §3.2, Eq. 1-4).
 - ``qstar``: ``q* = round(m * B_P / B_H)`` fills, at least one, the rest on the CPU;
 - ``fill``: every miss is filled (no CPU execution);
 - ``cpu``: every miss runs on the CPU and decode never changes residency (a
-  KTransformers-like placement that only prefill updates).
+  KTransformers-like placement that only prefill updates: with ``--freetoken-prefill lru``;
+  a streamed prefill leaves the LRU alone, so under streaming the cache stays empty and
+  every decode expert runs on the CPU).
 
-Layer calls over more than ``SPLIT_MAX_TOKENS`` rows (prefill chunks) fill every miss in all
+Layer calls over more than ``SPLIT_MAX_TOKENS`` rows that reach the LRU (prefill chunks that
+do not stream, ``execute/choice.py``) fill every miss in all
 three policies; the decision is made from shapes alone, so captured graphs keep it.
 """
 

@@ -21,8 +21,8 @@ class WaveExecutor:
     call's non-resident distinct experts, in expert order, fill the wave buffer W at a time
     (the cache's filler: UVA on CUDA) and run; each wave's partial output, in the layer
     dtype, is summed in fp32 (so in BF16 the result can differ from stock's single sum in the
-    last bit). The LRU is not touched. Every count and index stays on the device and the wave count comes
-    from shapes, so decode CUDA graphs capture it.
+    last bit). The LRU is not touched. Every count and index stays on the device and the wave
+    count comes from shapes, so decode CUDA graphs capture it.
 
     Args:
         runtime: the process's ``FreeTokenRuntime``.
