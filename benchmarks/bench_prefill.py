@@ -106,7 +106,7 @@ def run_system(label: str, model: str, flags: List[str], a, log_dir: str) -> Dic
         if s is not None:
             result["pool_bytes"] = s["pool"]["bytes"]
             result["cache"] = s["cache"]
-            result["prefill"] = s.get("prefill")
+            result["prefill_mode"] = s.get("prefill_mode")
         for kind, lengths in (("short", a.short), ("long", a.lengths)):
             for n in lengths:
                 ids = [rng.randrange(vocab) for _ in range(n)]

@@ -177,6 +177,8 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
         assert stats["miss_policy"] == policy
         assert stats["cache"]["slots"] == stats["pool"]["experts"] // 4
         assert stats["cache"]["layout"] == "stream"
+        assert stats["prefill_mode"] == {"mode": "stream", "stream_min_tokens": 5}
+        assert set(stats["prefill"]) >= {"reads", "hits", "fills"}  # the LRU's prefill phase
         assert total["reads"] == total["hits"] + total["fills"] + total["cpu"] > 0
         assert len(stats["layers"]) == stats["num_moe_layers"]
         # prefill chunks streamed, outside the LRU (decode batches wider than the small LRU

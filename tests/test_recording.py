@@ -1,6 +1,7 @@
 """``--freetoken-record-routing``: a CPU-run server writes every step's routing to a trace,
-and replaying that trace through the cache's own decision reproduces the server's counters
-exactly (so the recorded ids are the ones the layers routed)."""
+and replaying the steps that went through the LRU (the executor choice of each step) through
+the cache's own decision reproduces the server's counters exactly (so the recorded ids are
+the ones the layers routed)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import requests
 import torch
 
 from freetoken_sglang.cache.residency import ResidencyState, decide
+from freetoken_sglang.execute.choice import ExecutorChoice
 from freetoken_sglang.observe.routing_trace import RoutingTrace
 from sglang_cpu import start_server
 
@@ -42,14 +44,25 @@ def test_recorded_trace_replays_to_the_server_counters(tiny_checkpoint, tmp_path
     assert steps[first + 1 : first + 10] == [("decode", 1)] * 9
     second = steps.index(("prefill", 90))
     assert steps[second + 1 : second + 6] == [("decode", 1)] * 5
-    # Replay through the device decision with the server's cache size.
+    # Replay the LRU's layer calls through the device decision with the server's LRU size;
+    # the other calls ran in waves (a quarter of this pool is less than two layers + k).
     L, E = trace.num_layers, trace.num_experts
-    state = ResidencyState(L * E, stats["cache"]["slots"], "cpu")
+    cache = stats["cache"]
+    assert cache["layout"] == "waves" and stats["prefill_stream"]["wave_calls"] > 0
+    choice = ExecutorChoice("gpu", cache["layout"], cache["lru_slots"], E, trace.top_k,
+                            stats["prefill_mode"]["stream_min_tokens"])
+    state = ResidencyState(L * E, cache["lru_slots"], "cpu")
     counters = torch.zeros(5, L, dtype=torch.int64)
-    for _, ids in trace:
+    replayed = 0
+    for phase, ids in trace:
+        forward = "decode" if phase == "decode" else "extend"
+        if choice.executor_for(ids.shape[0], forward) != "decode":
+            continue
+        replayed += 1
         nv = torch.tensor([ids.shape[0]], dtype=torch.int32)
         for layer in range(L):
             layer_ids = torch.from_numpy(ids[:, layer, :].astype("int64"))
             decide(state, counters, layer, E, layer_ids, torch.ones(layer_ids.shape), nv)
+    assert replayed >= 14  # the decode steps at least
     for i, field in enumerate(("reads", "hits", "fills", "evictions", "cpu")):
         assert counters[i].tolist() == [layer[field] for layer in stats["layers"]], field

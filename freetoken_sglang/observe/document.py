@@ -60,7 +60,7 @@ def stats_document(rt) -> Dict[str, object]:
     out["backend"] = rt.backend
     out["miss_policy"] = rt.policy.name if rt.policy else None
     if rt.choice is not None:
-        out["prefill"] = {
+        out["prefill_mode"] = {
             "mode": rt.choice.prefill,
             "stream_min_tokens": rt.choice.stream_min_rows,
         }
