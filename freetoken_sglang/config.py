@@ -157,9 +157,9 @@ class FreeTokenConfig:
         metadata=dict(
             type=_choice("stream", "lru"),
             help="stream (default): prefill layer calls of at least --freetoken-stream-min-"
-            "tokens rows stream whole layers over PCIe into reserved buffers, overlapping "
-            "compute, and leave the decode LRU untouched; lru: prefill goes through the "
-            "decode LRU like decode (fills and evictions).",
+            "tokens rows stream whole layers over PCIe into full-layer buffers, overlapping "
+            "compute, outside the decode LRU (see --freetoken-prefill-buffers); lru: prefill "
+            "goes through the decode LRU like decode (fills and evictions).",
         ),
     )
     stream_min_tokens: Optional[int] = field(
@@ -178,6 +178,17 @@ class FreeTokenConfig:
             help="Full-layer prefill buffers: 2 (default) overlaps each layer's transfer "
             "with the previous layer's compute; 1 copies each layer after the previous one "
             "computed (no overlap; for comparison).",
+        ),
+    )
+
+    prefill_buffers: str = field(
+        default="borrowed",
+        metadata=dict(
+            type=_choice("borrowed", "reserved"),
+            help="borrowed (default): each streamed forward lends the LRU's least recently "
+            "used slots out as the buffers and gives them back holding the last layers' "
+            "experts; reserved: the buffers are kept outside the LRU for good (a prefill "
+            "evicts nothing; decode has two layers' slots fewer).",
         ),
     )
 
@@ -298,7 +309,7 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
                 "(--freetoken-miss-policy qstar or cpu, or --freetoken-backend cpu)"
             )
         if cfg.prefill == "lru":
-            for name in ("stream_min_tokens", "stream_buffers"):
+            for name in ("stream_min_tokens", "stream_buffers", "prefill_buffers"):
                 if name in given:
                     problems.append(
                         f"{cli_name(name)} has no effect with --freetoken-prefill lru"

@@ -176,6 +176,7 @@ class FreeTokenRuntime:
                 self.pool.num_rows,
                 self.top_k,
                 0 if self.config.prefill == "lru" else self.config.stream_buffers,
+                borrow=self.config.prefill_buffers == "borrowed",
             )
         t1 = time.perf_counter()
         null_slots = self.top_k if self.device.type == "cpu" else 0

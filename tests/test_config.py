@@ -87,6 +87,8 @@ def test_miss_policy_flags():
          "--freetoken-stream-min-tokens has no effect with --freetoken-prefill lru"),
         ({"freetoken_prefill": "lru", "freetoken_stream_buffers": 1},
          "--freetoken-stream-buffers has no effect with --freetoken-prefill lru"),
+        ({"freetoken_prefill": "lru", "freetoken_prefill_buffers": "reserved"},
+         "--freetoken-prefill-buffers has no effect with --freetoken-prefill lru"),
     ],
 )
 def test_ineffective_flag_combinations_are_refused(kw, needle):

@@ -132,7 +132,9 @@ CACHE_25 = ["--enable-freetoken", "--freetoken-cache-ratio", "0.25"]
 POLICIES = {
     "fill": ["--freetoken-miss-policy", "fill"],
     # B_P/B_H = 0.5: half of each call's misses are filled, half run on the CPU.
-    "qstar": ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40"],
+    # (and the prefill buffers reserved outside the LRU instead of borrowed from it)
+    "qstar": ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40",
+              "--freetoken-prefill-buffers", "reserved"],
     "cpu": ["--freetoken-miss-policy", "cpu"],
 }
 
@@ -177,15 +179,19 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
         assert stats["miss_policy"] == policy
         assert stats["cache"]["slots"] == stats["pool"]["experts"] // 4
         assert stats["cache"]["layout"] == "stream"
+        buffers = "reserved" if policy == "qstar" else "borrowed"
+        assert stats["cache"]["prefill_buffers"] == buffers
         assert stats["prefill_mode"] == {"mode": "stream", "stream_min_tokens": 5}
         assert set(stats["prefill"]) >= {"reads", "hits", "fills"}  # the LRU's prefill phase
         assert total["reads"] == total["hits"] + total["fills"] + total["cpu"] > 0
         assert len(stats["layers"]) == stats["num_moe_layers"]
-        # prefill chunks streamed, outside the LRU (decode batches wider than the small LRU
-        # ran in waves)
+        # prefill chunks streamed, outside the LRU (with reserved buffers, decode batches
+        # wider than the small LRU ran in waves); borrowed buffers came back holding the last
+        # layers' streamed experts
         stream = stats["prefill_stream"]
         assert stream["layer_calls"] > stream["wave_calls"]
         assert stream["experts_streamed"] > 0
+        assert (stream["lru_seeded"] > 0) == (buffers == "borrowed")
         assert stream["bytes_streamed"] == stream["experts_streamed"] * stats["pool"]["expert_bytes"]
         if policy == "fill":
             assert total["cpu"] == 0 and total["fills"] > 0 and total["evictions"] > 0

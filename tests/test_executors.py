@@ -55,11 +55,19 @@ def test_chunk_size_rule():
 def test_slot_layout():
     E, k, rows = 16, 4, 160
     assert plan_layout(160, E, rows, k).kind == "resident"
-    s = plan_layout(40, E, rows, k)  # 2E + k = 36 <= 40: double-buffered
-    assert (s.kind, s.lru_slots, s.buffer_rows, s.buffers, s.total) == ("stream", 8, 32, 2, 40)
+    s = plan_layout(40, E, rows, k)  # 2E + k = 36 <= 40: double-buffered, borrowed
+    assert (s.kind, s.lru_slots, s.buffer_rows, s.buffers, s.total, s.borrowed) == (
+        "stream", 40, 0, 2, 40, True)
+    with pytest.raises(ValueError):
+        s.buffer_base(0, E)
+    s = plan_layout(40, E, rows, k, borrow=False)  # reserved after the LRU
+    assert (s.kind, s.lru_slots, s.buffer_rows, s.buffers, s.total, s.borrowed) == (
+        "stream", 8, 32, 2, 40, False)
     assert s.buffer_base(1, E) == 24
-    s = plan_layout(40, E, rows, k, buffers=1)
+    s = plan_layout(40, E, rows, k, buffers=1, borrow=False)
     assert (s.kind, s.lru_slots, s.buffer_rows) == ("stream", 24, 16)
+    s = plan_layout(20, E, rows, k, buffers=1)
+    assert (s.kind, s.lru_slots, s.buffers, s.borrowed) == ("stream", 20, 1, True)
     s = plan_layout(35, E, rows, k)  # one short of two layers + k: waves
     assert (s.kind, s.lru_slots, s.buffer_rows) == ("waves", 27, 8)
     s = plan_layout(6, E, rows, k)  # too few for an LRU of k beside a wave buffer
@@ -107,7 +115,7 @@ def published(tiny_checkpoint):
     publish(ServerArgs(model_path=tiny_checkpoint("qwen3_moe"), device="cpu"), role="test")
 
 
-def _runtime(num_slots: int, buffers: int = 2):
+def _runtime(num_slots: int, buffers: int = 2, borrow: bool = False):
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
 
     from freetoken_sglang.cache.slots import ExpertCache
@@ -117,7 +125,7 @@ def _runtime(num_slots: int, buffers: int = 2):
     pool = HostExpertPool(list(range(L)), E, bank_specs_for_layer(H, I, torch.float32))
     for bank in pool.banks.values():
         bank.copy_(torch.randn(bank.shape, generator=g) * 0.3)
-    layout = plan_layout(num_slots, E, pool.num_rows, K, buffers)
+    layout = plan_layout(num_slots, E, pool.num_rows, K, buffers, borrow=borrow)
     cache = ExpertCache(pool, layout, "cpu", null_slots=K)
     rt = SimpleNamespace(cache=cache, num_valid=torch.tensor([0], dtype=torch.int32),
                          capturing=False)
@@ -177,7 +185,7 @@ def test_streamed_prefill_matches_stock_and_leaves_the_lru_alone(buffers, publis
     from freetoken_sglang.execute.prefill_stream import PrefillStreamExecutor
 
     rt, pool, layers = _runtime(num_slots=2 * E + 6 if buffers == 2 else E + 6, buffers=buffers)
-    assert rt.cache.layout.kind == "stream"
+    assert (rt.cache.layout.kind, rt.cache.layout.borrowed) == ("stream", False)
     _warm_lru(rt)
     resident = int((rt.cache.residency.residency[: L * E] >= 0).sum())
     assert resident > 0
@@ -189,6 +197,7 @@ def test_streamed_prefill_matches_stock_and_leaves_the_lru_alone(buffers, publis
             call = _call(layers[l], l, 40, 10 * forward + l)
             rt.num_valid.fill_(40)
             assert torch.equal(ex.run(call), _stock(call)), (forward, l)
+        ex.end_forward()
     for a, b in zip(before, _lru_state(rt)):
         assert torch.equal(a, b)
     counts = ex.snapshot()
@@ -202,6 +211,69 @@ def test_streamed_prefill_matches_stock_and_leaves_the_lru_alone(buffers, publis
     for l in range(L):
         ex.run(_call(layers[l], l, 40, 99))
     assert ex.snapshot()["experts_streamed"] == 0
+
+
+@pytest.mark.parametrize("buffers", [2, 1])
+def test_borrowed_buffers_evict_the_oldest_and_seed_the_last_layers(buffers, published):
+    """Borrowed buffers: a streamed forward is token-exact, evicts only the LRU's
+    ``buffers * E`` oldest entries, leaves every other entry and its recency as it was, and
+    gives the buffers back holding the streamed experts of the last ``buffers`` layers as the
+    most recent entries (the rest empty, first to be taken)."""
+    from freetoken_sglang.execute.prefill_stream import PrefillStreamExecutor
+
+    S = 2 * E + 6 if buffers == 2 else E + 6
+    rt, pool, layers = _runtime(num_slots=S, buffers=buffers, borrow=True)
+    assert (rt.cache.layout.kind, rt.cache.layout.lru_slots) == ("stream", S)
+    _warm_lru(rt, steps=30)
+    st = rt.cache.residency
+    res0, owner0, key0, clock0, _ = _lru_state(rt)
+    n = buffers * E
+    lent = sorted(torch.topk(key0, n, largest=False).indices.tolist())
+    kept = [s for s in range(S) if s not in lent]
+    assert int((owner0[torch.tensor(lent)] >= 0).sum()) > 0  # some lent slots held experts
+    ex = PrefillStreamExecutor(rt)
+    for forward in range(2):
+        ex.begin_forward(prefetch=True)
+        if forward == 0:
+            assert sorted(ex.buf_host[0] + (ex.buf_host[1] if buffers == 2 else [])) == lent
+        for l in range(L):
+            call = _call(layers[l], l, 40, 10 * forward + l)
+            rt.num_valid.fill_(40)
+            assert torch.equal(ex.run(call), _stock(call)), (forward, l)
+        ex.end_forward()
+        if forward == 0:
+            # Entries outside the lent slots: same expert, same key.
+            for s in kept:
+                assert int(st.owner[s]) == int(owner0[s]) and int(st.key[s]) == int(key0[s])
+            # The lent slots: the streamed (then non-resident) experts of the last layers,
+            # newest; the rest empty with never-used keys.
+            evicted = {int(owner0[s]) for s in lent if int(owner0[s]) >= 0}
+            seeded = 0
+            for h in range(L - buffers, L):
+                b = h % buffers
+                for e in range(E):
+                    flat, slot = h * E + e, ex.buf_host[b][e]
+                    was = int(res0[flat])
+                    if was >= 0 and was not in lent:  # resident: read in place, kept there
+                        assert int(st.owner[slot]) == -1 and int(st.residency[flat]) == was
+                    else:
+                        seeded += 1
+                        assert int(st.owner[slot]) == flat and int(st.residency[flat]) == slot
+                        assert int(st.key[slot]) == (int(clock0) + 1) * S + slot
+            for s in lent:
+                if int(st.owner[s]) < 0:
+                    assert int(st.key[s]) == s - S
+            # Evicted experts that were not seeded back are gone from the residency table.
+            for flat in evicted:
+                if int(st.residency[flat]) >= 0:
+                    assert flat >= (L - buffers) * E
+            counts = ex.snapshot()
+            assert counts["lru_evicted"] == len(evicted)
+            assert counts["lru_seeded"] == seeded > 0
+    # Decode after the prefill: the LRU keeps working over every slot.
+    _warm_lru(rt, steps=10)
+    r = st.residency[: L * E]
+    assert all(int(st.owner[int(r[f])]) == f for f in range(L * E) if int(r[f]) >= 0)
 
 
 def test_waves_match_stock_and_leave_the_lru_alone(published):

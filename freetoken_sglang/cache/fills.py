@@ -89,6 +89,19 @@ def contiguous_runs(missing) -> list:
     return runs
 
 
+def row_runs(pairs) -> list:
+    """``(src, dst, n)`` runs of ``pairs``, a host sequence of ``(src_row, dst_row)`` in
+    ascending ``src_row``: consecutive pairs whose rows both advance by one share a run (one
+    copy each)."""
+    runs = []
+    for src, dst in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1][2] += 1
+        else:
+            runs.append([src, dst, 1])
+    return [tuple(r) for r in runs]
+
+
 def copy_row_runs(
     pool_banks: Dict[str, torch.Tensor],
     slot_banks: Dict[str, torch.Tensor],

@@ -1,16 +1,22 @@
 """How the slot pool is split between the decode LRU and the prefill buffers (paper §3.1).
 
 The slot banks hold ``total`` rows. Rows ``[0, lru_slots)`` are the LRU cache that decode
-uses (``residency.py`` never looks past them); rows ``[lru_slots, total)`` are reserved for
-prefill: two full-layer buffers of E rows each when the pool can spare them (double-buffered
-streaming), else a smaller wave buffer that serves a layer call's experts in groups.
+uses (``residency.py`` never looks past them). Full-layer prefill buffers (two for double-
+buffered streaming, E rows each) come in one of two ways:
 
-The buffers are reserved, not borrowed from the LRU per prefill: a streamed prefill evicts
-nothing and leaves every LRU entry and its recency as it was, so the decode working set
-survives, and no residency write is needed around a prefill. The replay of the H200 routing
-traces (dummy weights) measured borrowed buffers (the 2E least recently used slots, the last
-two layers seeding decode) 3.9 points of decode miss rate better at 25% of the pool
-(benchmarks/RESULTS.md, session 6); borrowing is not built yet.
+- **borrowed** (default; the paper's way): every row is in the LRU; each streamed forward
+  lends the 2E least recently used slots out as the buffers (their experts are evicted) and
+  gives them back at its end holding the streamed experts of the last two MoE layers, as the
+  most recent entries, which seeds the next decode step (``execute/prefill_stream.py``);
+- **reserved**: rows ``[lru_slots, total)`` are the buffers, outside the LRU for good; a
+  streamed prefill evicts nothing, but decode has 2E slots fewer.
+
+Borrowed is the default by measurement (benchmarks/RESULTS.md, session 7; H200, Qwen3-30B-A3B
+shape, 25% of the pool): batch-4 decode kept its hit rate (0.182 against 0.086 reserved) and
+ran 7-8% faster, agent TTFTs were the same within 2%, a streamed chunk was 1-3% slower
+(scattered copies), and with either, decode after an 8k-token prefill refilled nothing of its
+working set. A pool that cannot spare two full layers gets a smaller reserved wave buffer
+instead, which serves a layer call's experts in groups.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ class SlotLayout:
         buffers: full-layer buffers under ``stream`` (1 or 2), else 0.
         kind: ``resident``, ``stream``, ``waves``, ``lru``, or ``none`` (no slot: the CPU
             backend).
+        borrowed: ``stream`` only: the buffers are lent out of the LRU per streamed forward
+            (``buffer_rows`` is then 0: every row is an LRU slot).
     """
 
     total: int
@@ -43,9 +51,16 @@ class SlotLayout:
     buffer_rows: int
     buffers: int
     kind: str
+    borrowed: bool = False
 
     def buffer_base(self, b: int, num_experts: int) -> int:
-        """First slot row of full-layer buffer ``b``."""
+        """First slot row of reserved full-layer buffer ``b``.
+
+        Raises:
+            ValueError: the buffers are borrowed (their slots change per forward).
+        """
+        if self.borrowed:
+            raise ValueError("borrowed prefill buffers have no fixed slot rows")
         return self.lru_slots + b * num_experts
 
     def describe(self, num_experts: int) -> str:
@@ -58,6 +73,11 @@ class SlotLayout:
                 "1 full-layer prefill buffer"
             )
             how = "double-buffered" if self.buffers == 2 else "no overlap"
+            if self.borrowed:
+                return (
+                    f"{self.lru_slots} LRU slots; {what} of {num_experts} experts borrowed "
+                    f"from the LRU's oldest slots per streamed forward ({how})"
+                )
             return f"{self.lru_slots} LRU slots + {what} of {num_experts} experts ({how})"
         return (
             f"{self.lru_slots} LRU slots + a {self.buffer_rows}-expert wave buffer (less "
@@ -66,7 +86,12 @@ class SlotLayout:
 
 
 def plan_layout(
-    num_slots: int, num_experts: int, num_rows: int, top_k: int, buffers: int = 2
+    num_slots: int,
+    num_experts: int,
+    num_rows: int,
+    top_k: int,
+    buffers: int = 2,
+    borrow: bool = True,
 ) -> SlotLayout:
     """Split ``num_slots`` slot rows between the LRU and the prefill buffers.
 
@@ -77,10 +102,13 @@ def plan_layout(
         top_k: k; the LRU keeps at least k slots when it exists.
         buffers: full-layer buffers wanted (2: double-buffered; 1: no overlap; 0: none,
             prefill goes through the LRU).
+        borrow: ``stream`` buffers borrowed from the LRU per streamed forward (True) or
+            reserved after it (False).
 
     Returns:
         ``resident`` when S >= L*E; with ``buffers=0``, ``lru`` (every slot in the LRU) when
-        S >= E; ``stream`` when S >= buffers*E + k; else ``waves`` with a
+        S >= E; ``stream`` when S >= buffers*E + k (borrowed: ``lru_slots = S``; reserved:
+        ``S - buffers*E``); else ``waves`` with a
         wave buffer of ``min(E, max(k, S // 4))`` rows, and the LRU the rest (none when the
         rest would be under k slots: then every layer call runs in waves).
 
@@ -97,6 +125,8 @@ def plan_layout(
     if buffers == 0 and num_slots >= num_experts:
         return SlotLayout(num_slots, num_slots, 0, 0, LRU_ONLY)
     if buffers and num_slots >= buffers * num_experts + top_k:
+        if borrow:
+            return SlotLayout(num_slots, num_slots, 0, buffers, STREAM, borrowed=True)
         rows = buffers * num_experts
         return SlotLayout(num_slots, num_slots - rows, rows, buffers, STREAM)
     wave = min(num_experts, max(top_k, num_slots // 4))

@@ -1,5 +1,5 @@
 """The prefill-stream executor: whole layers stream over PCIe into full-layer buffers,
-double-buffered, while the previous layer computes; the LRU is not touched (paper §3.1)."""
+double-buffered, while the previous layer computes (paper §3.1)."""
 
 from __future__ import annotations
 
@@ -8,27 +8,40 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from freetoken_sglang.cache.fills import contiguous_runs, copy_row_runs
+from freetoken_sglang.cache.fills import copy_row_runs, row_runs
 from freetoken_sglang.execute.contract import LayerCall
 from freetoken_sglang.execute.slot_moe import run_on_slots
+
+# Fields of PrefillStreamExecutor.counts.
+STREAM_FIELDS = ("layer_calls", "experts_streamed", "experts_reused", "lru_evicted",
+                 "lru_seeded")
 
 
 class PrefillStreamExecutor:
     """Serves each layer call of a streamed forward from a full-layer buffer.
 
-    Layer ``l`` goes to buffer ``l % buffers``. With two buffers, the copy of layer ``l + 2``
-    into a buffer starts as soon as layer ``l`` has computed from it, so one layer's transfer
-    always overlaps the computation before it; with one buffer, each copy waits for the
-    previous layer's compute (the no-overlap baseline). The first ``buffers`` layers are
-    issued when the forward starts (``begin_forward``), before layer 0's attention runs.
+    Layer ``l`` goes to buffer ``l % buffers``; ``buf_slots[b, e]`` is the slot that holds
+    expert ``e`` of buffer ``b``'s layer. With two buffers, the copy of layer ``l + 2`` into a
+    buffer starts as soon as layer ``l`` has computed from it, so one layer's transfer always
+    overlaps the computation before it; with one buffer, each copy waits for the previous
+    layer's compute (the no-overlap baseline). The first ``buffers`` layers are issued when
+    the forward starts (``begin_forward``), before layer 0's attention runs.
+
+    Buffers (``cache/layout.py``):
+
+    - borrowed: at the start of a streamed forward the ``buffers * E`` least recently used LRU
+      slots are lent out (their experts evicted: ``lru_evicted``); at its end they go back
+      holding the streamed experts of the last ``buffers`` MoE layers as the most recent
+      entries (``lru_seeded``), the rest empty and first to be taken. No other entry or
+      recency changes.
+    - reserved: fixed slot rows after the LRU's; the LRU is not touched at all.
 
     Experts resident in the LRU when the forward starts are not sent: the call reads them
     from their slots (``experts_reused``). Only the non-resident rows of the layer are copied,
-    one ``cudaMemcpyAsync`` per contiguous run and bank on a dedicated copy stream, from the
-    pinned pool (the copy engine; no SM is taken from the compute). Nothing of the LRU is
-    read-modified: no eviction, no recency change. The residency table is read to the host
-    once per streamed forward (one sync); it cannot change during that forward, since every
-    layer call of it streams.
+    one ``cudaMemcpyAsync`` per run of consecutive rows and bank on a dedicated copy stream,
+    from the pinned pool (the copy engine; no SM is taken from the compute). The residency
+    table (and the borrowed slots) is read to the host once per streamed forward (one sync);
+    it cannot change during that forward, since every layer call of it streams.
 
     On CUDA ``run`` is an eager break of SGLang's breakable prefill CUDA graph
     (``eager_on_graph``): it runs in Python on every replay.
@@ -48,12 +61,23 @@ class PrefillStreamExecutor:
         self.E = cache.num_experts
         self.L = self.pool.num_layers
         self.buffers = self.layout.buffers
+        self.borrowed = self.layout.borrowed
         self.device = cache.device
         self.on_cuda = self.device.type == "cuda"
-        self.arange = torch.arange(self.E, dtype=torch.int32, device=self.device)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        n = self.buffers * self.E
+        if self.borrowed:
+            self.buf_slots = torch.zeros((self.buffers, self.E), **i32)
+        else:
+            self.buf_slots = (torch.arange(n, **i32) + self.layout.lru_slots).view(
+                self.buffers, self.E
+            )
+        self.buf_host: List[List[int]] = self.buf_slots.cpu().tolist()
         self.pending: Dict[int, Tuple[int, Optional[torch.cuda.Event]]] = {}
+        self.held: Dict[int, int] = {}  # buffer -> the layer it holds (computed from it)
+        self.lent = False  # borrowed slots are out of the LRU until end_forward
         self.res_host: Optional[torch.Tensor] = None
-        self.counts = dict(layer_calls=0, experts_streamed=0, experts_reused=0)
+        self.counts = {k: 0 for k in STREAM_FIELDS}
         self.wait_s = 0.0
         self._timings: List[Tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._run = self._run_eager
@@ -71,26 +95,86 @@ class PrefillStreamExecutor:
     # ---- per forward ---------------------------------------------------------------------
     def begin_forward(self, prefetch: bool) -> None:
         """Start of a forward: forget the previous forward's buffers; when ``prefetch``
-        (the forward will stream), read the residency table and issue the first layers."""
-        self.pending.clear()
-        self.res_host = None
+        (the forward will stream), borrow the buffers, read the residency table and issue the
+        first layers."""
+        self.end_forward()
         self._harvest(block=False)
         if prefetch:
-            self._snapshot()
+            self._start()
             for ordinal in range(min(self.buffers, self.L)):
                 self._issue(ordinal)
 
     def end_forward(self) -> None:
-        """End of a forward: its snapshot and buffers are no longer valid."""
+        """End of a forward (also one that raised): give borrowed buffers back to the LRU;
+        its snapshot and buffers are no longer valid."""
+        if self.lent:
+            self._give_back()
         self.pending.clear()
+        self.held.clear()
         self.res_host = None
 
-    def _snapshot(self) -> None:
-        """Read the residency table (a sync), and order this forward's copies after every
-        kernel queued so far (a decode wave may have used the buffer rows)."""
-        self.res_host = self.cache.residency.residency[: self.L * self.E].cpu()
+    def _start(self) -> None:
+        """Borrow the buffers (borrowed layout, not while SGLang captures graphs), read the
+        residency table and the buffer slots (one sync), and order this forward's copies after
+        every kernel queued so far (the slots may be in use by earlier steps)."""
+        LE = self.L * self.E
+        st = self.cache.residency
+        parts = [st.residency[:LE]]
+        if self.borrowed and not self.rt.capturing:
+            parts += [self.buf_slots.view(-1), self._borrow().view(1)]
+        host = torch.cat(parts).cpu()
+        self.res_host = host[:LE]
+        if len(parts) > 1:
+            n = self.buffers * self.E
+            self.buf_host = host[LE : LE + n].view(self.buffers, self.E).tolist()
+            self.counts["lru_evicted"] += int(host[-1])
         if self.on_cuda:
             self.copy_stream.wait_stream(torch.cuda.current_stream())
+
+    def _borrow(self) -> torch.Tensor:
+        """Lend the ``buffers * E`` least recently used LRU slots out as the buffers, in
+        ascending slot order (never-used slots come first: their keys are the smallest), and
+        evict their experts. Device ops only; returns the eviction count (int32 [] on the
+        device)."""
+        st = self.cache.residency
+        S, n = st.num_slots, self.buffers * self.E
+        slots = torch.topk(st.key, n, largest=False, sorted=False).indices.sort().values
+        old = st.owner[slots]
+        evicted = old >= 0
+        st.residency.index_fill_(0, torch.where(evicted, old, st.num_rows).long(), -1)
+        st.owner.index_fill_(0, slots, -1)
+        # Newest keys while lent, so that no LRU victim choice could take a buffer slot.
+        st.key.index_copy_(0, slots, (st.clock + 1) * S + slots)
+        self.buf_slots.copy_(slots.view(self.buffers, self.E))
+        self.lent = True
+        return evicted.sum().int()
+
+    def _give_back(self) -> None:
+        """Return the borrowed slots to the LRU: the streamed experts of the layer each buffer
+        last held become resident there with a new clock value (most recent); every other
+        borrowed slot comes back empty, with a never-used key (first to be taken)."""
+        self.lent = False
+        if self.on_cuda:  # a copy issued but not computed from: let it land first
+            for _, loaded in self.pending.values():
+                if loaded is not None:
+                    torch.cuda.current_stream().wait_event(loaded)
+        st = self.cache.residency
+        S, E = st.num_slots, self.E
+        st.clock.add_(1)
+        for b in range(self.buffers):
+            bs = self.buf_slots[b].long()
+            h = self.held.get(b)
+            if h is None or self.res_host is None:
+                seed = torch.zeros(E, dtype=torch.bool, device=self.device)
+            else:
+                # Residency is as at the start: nothing in a streamed forward changes it.
+                layer_res = st.layer_slots(h, E)
+                seed = layer_res < 0
+                flat = torch.arange(h * E, (h + 1) * E, dtype=torch.int32, device=self.device)
+                st.owner.index_copy_(0, bs, torch.where(seed, flat, -1))
+                layer_res.copy_(torch.where(seed, bs.int(), layer_res))
+                self.counts["lru_seeded"] += int((self.res_host[h * E : (h + 1) * E] < 0).sum())
+            st.key.index_copy_(0, bs, torch.where(seed, st.clock * S + bs, bs - S))
 
     def _issue(self, ordinal: int) -> None:
         """Copy layer ``ordinal``'s non-resident experts into its buffer. While SGLang
@@ -100,12 +184,10 @@ class PrefillStreamExecutor:
         if self.rt.capturing:
             self.pending[ordinal] = (b, None)
             return
-        base = self.layout.buffer_base(b, self.E)
-        res = self.res_host[ordinal * self.E : (ordinal + 1) * self.E]
-        missing = (res < 0).tolist()
-        runs = [
-            (ordinal * self.E + e0, base + e0, n) for e0, n in contiguous_runs(missing)
-        ]
+        E = self.E
+        missing = (self.res_host[ordinal * E : (ordinal + 1) * E] < 0).tolist()
+        dst = self.buf_host[b]
+        runs = row_runs((ordinal * E + e, dst[e]) for e in range(E) if missing[e])
         streamed = sum(missing)
         loaded = None
         if self.on_cuda:
@@ -120,7 +202,7 @@ class PrefillStreamExecutor:
             self.wait_s += time.perf_counter() - t0  # the compute thread did the copy
         self.pending[ordinal] = (b, loaded)
         self.counts["experts_streamed"] += streamed
-        self.counts["experts_reused"] += self.E - streamed
+        self.counts["experts_reused"] += E - streamed
 
     # ---- the contract --------------------------------------------------------------------
     def run(self, call: LayerCall) -> torch.Tensor:
@@ -133,7 +215,7 @@ class PrefillStreamExecutor:
         slots, free the buffer for layer ``ordinal + buffers``. ``x`` and the top-k tensors
         alias ``call``'s."""
         if self.res_host is None:  # not announced by begin_forward (e.g. graph padding)
-            self._snapshot()
+            self._start()
         if ordinal not in self.pending:
             self._issue(ordinal)
         if self.buffers == 2 and ordinal + 1 < self.L and ordinal + 1 not in self.pending:
@@ -144,10 +226,10 @@ class PrefillStreamExecutor:
             reached.record()
             torch.cuda.current_stream().wait_event(loaded)
             self._timings.append((reached, loaded))
-        base = self.layout.buffer_base(b, self.E)
         layer_res = self.cache.residency.layer_slots(ordinal, self.E)
-        slots = torch.where(layer_res >= 0, layer_res, self.arange + base)
+        slots = torch.where(layer_res >= 0, layer_res, self.buf_slots[b])
         out = run_on_slots(call, topk_ids, slots, self.cache)
+        self.held[b] = ordinal
         if self.on_cuda:
             self.free[b].record()
         nxt = ordinal + self.buffers

@@ -9,14 +9,17 @@ def prefill_stream_counts(rt) -> Dict[str, object]:
     """The ``prefill_stream`` object: layer calls served outside the LRU by the prefill
     executors (full-layer streaming and waves), experts sent over PCIe (``experts_streamed``,
     ``bytes_streamed``) or read from their LRU slots instead (``experts_reused``), the wave
-    calls among them, and ``wait_s``, the time the compute stream waited for a copy (CUDA
+    calls among them, ``wait_s``, the time the compute stream waited for a copy (CUDA
     timing events around each layer's wait, read here; on a CPU device, the copies' own
-    time)."""
-    out = dict(layer_calls=0, experts_streamed=0, experts_reused=0, wave_calls=0, wait_s=0.0)
+    time), and, with borrowed buffers, ``lru_evicted`` (LRU entries evicted to lend the
+    buffers) and ``lru_seeded`` (streamed experts the buffers gave back to the LRU)."""
+    out = dict(layer_calls=0, experts_streamed=0, experts_reused=0, wave_calls=0, wait_s=0.0,
+               lru_evicted=0, lru_seeded=0)
     stream = rt.executors.get("stream")
     if stream is not None:
         s = stream.snapshot()
-        for key in ("layer_calls", "experts_streamed", "experts_reused", "wait_s"):
+        for key in ("layer_calls", "experts_streamed", "experts_reused", "wait_s",
+                    "lru_evicted", "lru_seeded"):
             out[key] += s[key]
     waves = rt.executors.get("waves")
     if waves is not None:
@@ -51,7 +54,12 @@ def stats_document(rt) -> Dict[str, object]:
         out["cache"] = {
             "slots": rt.cache.num_slots,
             "lru_slots": layout.lru_slots,
-            "prefill_buffer_slots": layout.buffer_rows,
+            "prefill_buffer_slots": layout.buffers * rt.num_experts
+            if layout.kind == "stream"
+            else layout.buffer_rows,
+            "prefill_buffers": ("borrowed" if layout.borrowed else "reserved")
+            if layout.kind in ("stream", "waves")
+            else None,
             "layout": layout.kind,
             "bytes": rt.cache.nbytes,
             "fill_mode": rt.cache.filler.mode if rt.cache.filler else None,
