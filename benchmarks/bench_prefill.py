@@ -3,9 +3,14 @@ prefill paths, side by side in one run, with the ceiling of one pool pass over P
 (paper §3.1, Fig. 4a).
 
 Each system is a real ``launch_server`` with dummy weights of a full-size shape. Per prompt
-length, one request of fresh random token ids (no radix-cache hit) with one new token is
-timed end to end (TTFT); the FreeToken counters of that request (streamed and reused experts,
-LRU fills and evictions, the measured copy wait) are recorded with it. ``--short`` lengths
+length, one untimed request of that length first (the server's first request of a token
+count compiles kernels), then one request of fresh random token ids (no radix-cache hit)
+with one new token, timed end to end (TTFT); the FreeToken counters of that request (streamed
+and reused experts, LRU fills and evictions, the measured copy wait) are recorded with it.
+``--working-set`` measures whether decode after a long prefill refills its working set: a
+128-token prompt A decodes 32 tokens, A again (its working set is resident: the fills of a
+repeat), then a ``--working-set-len`` prompt B, then A again; the LRU fills of each A and
+B's borrowed-buffer evictions are recorded. ``--short`` lengths
 measure the crossover between streaming and the LRU path. B_P is measured here first (a
 pinned 2 GiB host-to-device copy), and the ceiling of a prompt of P tokens is
 ``P / (ceil(P / chunk) * pool_bytes / B_P)``.
@@ -14,10 +19,11 @@ pinned 2 GiB host-to-device copy), and the ceiling of a prompt of P tokens is
         --systems stock,ft-stream,ft-stream1,ft-lru
     python benchmarks/bench_prefill.py --report OUT/prefill.json     # table and plot again
 
-Systems: ``stock`` (every expert on the GPU), ``ft-stream`` (double-buffered streaming; with
-``--freetoken-stream-min-tokens 1`` so that the short prompts stream too: for prompts over the
-crossover it is the default), ``ft-stream1`` (one buffer: no overlap), ``ft-lru`` (prefill
-through the decode LRU, the path before streaming).
+Systems: ``stock`` (every expert on the GPU), ``ft-stream`` (double-buffered streaming into
+buffers borrowed from the LRU; with ``--freetoken-stream-min-tokens 1`` so that the short
+prompts stream too: for prompts over the crossover it is the default), ``ft-reserved``
+(the same with buffers reserved outside the LRU), ``ft-stream1`` (one buffer: no overlap),
+``ft-lru`` (prefill through the decode LRU, the path before streaming).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ FT = ["--enable-freetoken"]
 SYSTEMS = {
     "stock": [],
     "ft-stream": FT + ["--freetoken-stream-min-tokens", "1"],
+    "ft-reserved": FT + ["--freetoken-stream-min-tokens", "1", "--freetoken-prefill-buffers",
+                         "reserved"],
     "ft-stream1": FT + ["--freetoken-stream-buffers", "1"],
     "ft-lru": FT + ["--freetoken-prefill", "lru"],
 }
@@ -70,16 +78,39 @@ def measure_b_p(gib: float = 2.0) -> Optional[float]:
     return rate
 
 
-def prefill_once(url: str, ids: List[int], timeout: float) -> float:
-    """Seconds from sending a ``/generate`` of ``ids`` with one new token to its answer."""
+def prefill_once(url: str, ids: List[int], timeout: float, new_tokens: int = 1) -> float:
+    """Seconds from sending a greedy ``/generate`` of ``ids`` with ``new_tokens`` new tokens
+    (EOS ignored) to its answer."""
     t0 = time.perf_counter()
     r = requests.post(
         url + "/generate",
-        json={"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 1}},
+        json={"input_ids": ids, "sampling_params": {"temperature": 0, "ignore_eos": True,
+                                                    "max_new_tokens": new_tokens}},
         timeout=timeout,
     )
     r.raise_for_status()
     return time.perf_counter() - t0
+
+
+def lru_fills(delta: Optional[dict]) -> Optional[int]:
+    """LRU fills (decode and prefill phases) in a counter delta of ``_delta``."""
+    if delta is None:
+        return None
+    return int(sum((delta.get(g) or {}).get("fills", 0) for g in ("decode", "prefill")))
+
+
+def working_set(url: str, rng: random.Random, a) -> Dict[str, object]:
+    """A (128 tokens, 32 new), A again, B (``--working-set-len`` tokens, 1 new), A again: the
+    LRU fills of each request, and what B did to the LRU (see the module docstring)."""
+    A = [rng.randrange(a.vocab) for _ in range(128)]
+    B = [rng.randrange(a.vocab) for _ in range(a.working_set_len)]
+    out: Dict[str, object] = {"a_tokens": 128, "a_new": 32, "b_tokens": len(B)}
+    for name, ids, new in (("a1", A, 32), ("a2", A, 32), ("b", B, 1), ("a3", A, 32)):
+        before = freetoken_stats(url)
+        secs = prefill_once(url, ids, a.request_timeout, new)
+        d = _delta(before, freetoken_stats(url))
+        out[name] = {"s": secs, "lru_fills": lru_fills(d), "counters": d}
+    return out
 
 
 def _delta(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
@@ -107,8 +138,16 @@ def run_system(label: str, model: str, flags: List[str], a, log_dir: str) -> Dic
             result["pool_bytes"] = s["pool"]["bytes"]
             result["cache"] = s["cache"]
             result["prefill_mode"] = s.get("prefill_mode")
+        if a.working_set and label.startswith("ft-"):
+            result["working_set"] = working_set(url, rng, a)
+            print(json.dumps({"system": label, "working_set": {
+                k: v["lru_fills"] for k, v in result["working_set"].items()
+                if isinstance(v, dict)}}), flush=True)
         for kind, lengths in (("short", a.short), ("long", a.lengths)):
             for n in lengths:
+                if a.warmup:
+                    prefill_once(url, [rng.randrange(vocab) for _ in range(n)],
+                                 a.request_timeout)
                 ids = [rng.randrange(vocab) for _ in range(n)]
                 before = freetoken_stats(url)
                 secs = prefill_once(url, ids, a.request_timeout)
@@ -181,6 +220,20 @@ def report(doc: dict, out_dir: str) -> str:
                          if n in by else "-" for n in lengths]
                 lines.append(f"| {r['label']} / ceiling | " + " | ".join(cells) + " |")
         lines.append("")
+    ws = [r for r in runs if r.get("working_set")]
+    if ws:
+        lines += ["Decode after a long prefill: LRU fills per request (A: 128-token prompt, "
+                  "32 new tokens; B: the long prompt, 1 new token)", "",
+                  "| system | A (cold) | A again | B | A after B | B: LRU entries evicted / "
+                  "seeded |", "|---|---:|---:|---:|---:|---|"]
+        for r in ws:
+            w = r["working_set"]
+            st = (w["b"]["counters"] or {}).get("prefill_stream") or {}
+            lines.append(
+                f"| {r['label']} | {w['a1']['lru_fills']} | {w['a2']['lru_fills']} | "
+                f"{w['b']['lru_fills']} ({w['b_tokens']} tokens) | {w['a3']['lru_fills']} | "
+                f"{st.get('lru_evicted', '-')} / {st.get('lru_seeded', '-')} |")
+        lines.append("")
     text = "\n".join(lines)
     with open(os.path.join(out_dir, "prefill.md"), "w") as f:
         f.write(text + "\n")
@@ -230,6 +283,11 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", type=_ints, default=_ints("1024,2048,4096,8192,16384,32768"))
     ap.add_argument("--short", type=_ints, default=_ints("8,16,32,64,128,256,512"))
     ap.add_argument("--vocab", type=int, default=150000)
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="no untimed request of each length before the timed one")
+    ap.add_argument("--working-set", action="store_true",
+                    help="also the A, A, B, A decode-after-prefill measurement (FT systems)")
+    ap.add_argument("--working-set-len", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--common", default="--attention-backend triton --sampling-backend pytorch "
                     "--cuda-graph-max-bs 8 --disable-prefill-cuda-graph --skip-server-warmup "

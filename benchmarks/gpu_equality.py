@@ -95,9 +95,11 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--num-layers", type=int, default=12,
                     help="12: a quarter of the pool holds two full-layer prefill buffers")
-    ap.add_argument("--prefill-checks", action="store_true",
-                    help="also run fill with prefill through the LRU (--freetoken-prefill "
-                         "lru) and with a cache smaller than two layers (waves)")
+    ap.add_argument("--prefill-checks", nargs="?", const="lru,reserved,waves", default="",
+                    help="also run fill with: lru (prefill through the LRU, "
+                         "--freetoken-prefill lru), reserved (prefill buffers reserved, not "
+                         "borrowed), waves (a cache smaller than two layers); a comma list, "
+                         "all three when bare")
     a = ap.parse_args()
     from freetoken_sglang.tiny_models import TinyShape, build_tiny_checkpoint
 
@@ -116,9 +118,13 @@ def main():
     stock = run(path, a.new_tokens, {})
     results, full = [], {"stock": stock}
     runs = [(p, {}) for p in policies]
-    if a.prefill_checks:
-        runs += [("fill", {"freetoken_prefill": "lru"}),
-                 ("fill", {"freetoken_cache_slots": 12})]
+    checks = {"lru": {"freetoken_prefill": "lru"},
+              "reserved": {"freetoken_prefill_buffers": "reserved"},
+              "waves": {"freetoken_cache_slots": 12}}
+    for name in [c for c in a.prefill_checks.split(",") if c]:
+        if name not in checks:
+            raise SystemExit(f"--prefill-checks: unknown {name!r} (choose from {', '.join(checks)})")
+        runs.append(("fill", checks[name]))
     for policy, more in runs:
         ft_kwargs = {
             "enable_freetoken": True,
@@ -147,7 +153,7 @@ def main():
         }
         print(json.dumps(result, indent=1), flush=True)
         results.append(result)
-        full[policy] = ft
+        full[policy + "".join(f",{k}={v}" for k, v in more.items())] = ft
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"results": results, "runs": full}, f)

@@ -47,7 +47,8 @@ Policies (``POLICIES``; ``EXTRA_POLICIES`` are available with ``--policies``):
   A prefill call is served without reads or misses (its ``prefill_reads`` and
   ``prefill_misses`` are 0, so its miss rate is n/a) and otherwise leaves the LRU alone.
   ``reserved`` (``freetoken_sglang.cache.layout``): the LRU has ``capacity - 2E`` slots and
-  never sees a prefill. ``borrowed`` (the FreeToken paper): the LRU has ``capacity`` slots;
+  never sees a prefill. ``borrowed`` (the FreeToken paper, and the server's default
+  ``--freetoken-prefill-buffers borrowed``): the LRU has ``capacity`` slots;
   each prefill step first takes the LRU's next 2E victims as the buffers (never-used slots
   first, then oldest; their experts are evicted), and after the step gives them back
   holding the experts of MoE layers L-2 and L-1 that are not resident, as the most recent

@@ -13,7 +13,9 @@ Systems (``--systems``, comma-separated):
   ``--cache-ratio`` of the pool, recording routing traces;
 - ``ft-allhit``: FreeToken with every expert resident, for the roofline's all-hit step time;
 - ``ft-fill-lru``: ``ft-fill`` with prefill through the decode LRU (``--freetoken-prefill
-  lru``), the prefill path before streaming.
+  lru``), the prefill path before streaming;
+- ``ft-fill-reserved``: ``ft-fill`` with the prefill buffers reserved outside the LRU
+  (``--freetoken-prefill-buffers reserved``) instead of borrowed from it.
 
     python benchmarks/run_all.py --shape qwen3-30b-a3b --cache-ratio 0.25 --scale 0.05 \\
         --systems stock-gpu,stock-offload,ft-qstar,ft-fill,ft-cpu --out-dir results/
@@ -93,7 +95,7 @@ def vocab_size(model_path: str) -> int:
 
 
 SYSTEMS = ("stock-gpu", "stock-offload", "ft-qstar", "ft-fill", "ft-cpu", "ft-allhit",
-           "ft-fill-lru")
+           "ft-fill-lru", "ft-fill-reserved")
 
 
 def system_flags(name: str, args, pool_gib: float, trace_dir: str) -> List[str]:
@@ -119,6 +121,9 @@ def system_flags(name: str, args, pool_gib: float, trace_dir: str) -> List[str]:
     if name == "ft-fill-lru":  # prefill through the decode LRU: the path before streaming
         return (FT + ratio + ["--freetoken-miss-policy", "fill", "--freetoken-prefill", "lru"]
                 + record)
+    if name == "ft-fill-reserved":
+        return (FT + ratio + ["--freetoken-miss-policy", "fill", "--freetoken-prefill-buffers",
+                              "reserved"] + record)
     if name.startswith("ft-"):
         policy = name[3:]
         return FT + ratio + ["--freetoken-miss-policy", policy] + (bw if policy == "qstar" else []) + record
