@@ -188,7 +188,7 @@ class FreeTokenConfig:
             help="borrowed (default): each streamed forward lends the LRU's least recently "
             "used slots out as the buffers and gives them back holding the last layers' "
             "experts; reserved: the buffers are kept outside the LRU for good (a prefill "
-            "evicts nothing; decode has two layers' slots fewer).",
+            "evicts nothing; decode has the buffers' slots fewer).",
         ),
     )
 
@@ -387,6 +387,8 @@ def apply_server_args_overrides(
         "enable_two_batch_overlap",
         "enable_single_batch_overlap",
         "enable_torch_compile",
+        # decode and split prefill at once on two streams: both would use the LRU state
+        "enable_pdmux",
     ):
         if kwargs.get(flag):
             problems.append(f"--{flag.replace('_', '-')} is not supported")

@@ -4,9 +4,9 @@ over PCIe and in-place CPU execution (paper §3.2, Eq. 1-4).
 - ``qstar``: ``q* = round(m * B_P / B_H)`` fills, at least one, the rest on the CPU;
 - ``fill``: every miss is filled (no CPU execution);
 - ``cpu``: every miss runs on the CPU and decode never changes residency (a
-  KTransformers-like placement that only prefill updates: with ``--freetoken-prefill lru``;
-  a streamed prefill leaves the LRU alone, so under streaming the cache stays empty and
-  every decode expert runs on the CPU).
+  KTransformers-like placement that only prefill updates: through the LRU with
+  ``--freetoken-prefill lru``; under streaming, the last layers' experts that borrowed
+  buffers give back, and nothing with reserved buffers).
 
 Layer calls over more than ``SPLIT_MAX_TOKENS`` rows that reach the LRU (prefill chunks that
 do not stream, ``execute/choice.py``) fill every miss in all

@@ -312,9 +312,22 @@ class FreeTokenRuntime:
             self.executors["waves"] = WaveExecutor(self)
 
     def executor_for(self, rows: int):
-        """The executor of a layer call over ``rows`` rows in the forward in flight."""
+        """The executor of a layer call over ``rows`` rows in the forward in flight.
+
+        Raises:
+            RuntimeError: a call that would go through the LRU while a streamed forward has
+                slots lent out as its buffers (every layer call of a forward has the same rows,
+                so this cannot happen unless a forward mixes executors).
+        """
         phase = self.phase or (EXTEND if rows > SPLIT_MAX_TOKENS else DECODE)
-        return self.executors[self.choice.executor_for(rows, phase)]
+        name = self.choice.executor_for(rows, phase)
+        stream = self.executors.get("stream")
+        if name != "stream" and stream is not None and stream.lent:
+            raise RuntimeError(
+                f"FreeToken: a {name} layer call of {rows} rows inside a streamed forward "
+                "that has borrowed LRU slots; use --freetoken-prefill-buffers reserved"
+            )
+        return self.executors[name]
 
     def describe_prefill(self) -> str:
         c = self.choice
@@ -323,10 +336,12 @@ class FreeTokenRuntime:
         if c.prefill == "lru":
             return "Prefill: through the decode LRU (--freetoken-prefill lru)."
         how = "full layers" if c.layout_kind == "stream" else "waves"
+        if self.cache.layout.borrowed:
+            how += ", buffers borrowed from the LRU's oldest slots"
         src = "--freetoken-stream-min-tokens" if self.config.stream_min_tokens else "crossover rule"
         return (
             f"Prefill: layer calls of at least {c.stream_min_rows} rows stream ({how}; "
-            f"{src}), outside the LRU."
+            f"{src}), without LRU fills."
         )
 
     def begin_forward(self, phase: str, num_tokens: int, mixed: bool = False) -> None:

@@ -140,6 +140,7 @@ def test_server_args_overrides():
         ({"cuda_graph_backend_prefill": "full"}, "use breakable .*, --disable-prefill-cuda-graph or"),
         ({"cuda_graph_backend_prefill": "tc_piecewise"}, "--cuda-graph-backend-prefill tc_"),
         ({"enable_torch_compile": True}, "--enable-torch-compile is not supported"),
+        ({"enable_pdmux": True}, "--enable-pdmux is not supported"),
         ({"enable_dp_attention": True}, "--enable-dp-attention is not supported"),
         ({"moe_a2a_backend": "deepep"}, "--moe-a2a-backend"),
         ({"disaggregation_mode": "prefill"}, "disaggregation"),

@@ -199,7 +199,7 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
             assert total["fills"] > 0 and total["cpu"] > 0
             assert stats["bandwidth"]["ratio"] == 0.5
         else:
-            # decode never fills, and prefill streams outside the LRU
+            # decode never fills, and streamed prefill fills nothing through the LRU
             assert total["cpu"] > 0 and total["fills"] == 0
 
 

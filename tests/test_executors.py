@@ -175,6 +175,19 @@ def _warm_lru(rt, steps=12):
         rt.cache.filler.run(d.plan)
 
 
+def _assert_slots_hold_their_owners(rt, pool):
+    """Every LRU slot with an owner holds exactly that expert's rows, and the residency
+    table points back at it."""
+    st = rt.cache.residency
+    for s in range(st.num_slots):
+        o = int(st.owner[s])
+        if o < 0:
+            continue
+        assert int(st.residency[o]) == s, (s, o)
+        for name, bank in rt.cache.slot_banks.items():
+            assert torch.equal(bank[s], pool.banks[name][o]), (name, s, o)
+
+
 def _lru_state(rt):
     r = rt.cache.residency
     return [t.clone() for t in (r.residency, r.owner, r.key, r.clock, r.cpu_stamp)]
@@ -270,8 +283,20 @@ def test_borrowed_buffers_evict_the_oldest_and_seed_the_last_layers(buffers, pub
             counts = ex.snapshot()
             assert counts["lru_evicted"] == len(evicted)
             assert counts["lru_seeded"] == seeded > 0
+        _assert_slots_hold_their_owners(rt, pool)
+    # A forward that ends early (it raised, or ran only some layers): the buffers go back
+    # holding what was last copied into them, never another layer's experts.
+    for stop in (1, 2, 3):
+        ex.begin_forward(prefetch=True)
+        for l in range(stop):
+            rt.num_valid.fill_(40)
+            ex.run(_call(layers[l], l, 40, 50 + l))
+        ex.end_forward()
+        assert not ex.lent
+        _assert_slots_hold_their_owners(rt, pool)
     # Decode after the prefill: the LRU keeps working over every slot.
     _warm_lru(rt, steps=10)
+    _assert_slots_hold_their_owners(rt, pool)
     r = st.residency[: L * E]
     assert all(int(st.owner[int(r[f])]) == f for f in range(L * E) if int(r[f]) >= 0)
 

@@ -74,7 +74,9 @@ class PrefillStreamExecutor:
             )
         self.buf_host: List[List[int]] = self.buf_slots.cpu().tolist()
         self.pending: Dict[int, Tuple[int, Optional[torch.cuda.Event]]] = {}
-        self.held: Dict[int, int] = {}  # buffer -> the layer it holds (computed from it)
+        # buffer -> the layer whose copy was issued into it last (what it holds once that
+        # copy has landed)
+        self.holds: Dict[int, int] = {}
         self.lent = False  # borrowed slots are out of the LRU until end_forward
         self.res_host: Optional[torch.Tensor] = None
         self.counts = {k: 0 for k in STREAM_FIELDS}
@@ -110,7 +112,7 @@ class PrefillStreamExecutor:
         if self.lent:
             self._give_back()
         self.pending.clear()
-        self.held.clear()
+        self.holds.clear()
         self.res_host = None
 
     def _start(self) -> None:
@@ -151,7 +153,8 @@ class PrefillStreamExecutor:
 
     def _give_back(self) -> None:
         """Return the borrowed slots to the LRU: the streamed experts of the layer each buffer
-        last held become resident there with a new clock value (most recent); every other
+        holds (the last one copied into it; after a complete forward, the last ``buffers``
+        MoE layers) become resident there with a new clock value (most recent); every other
         borrowed slot comes back empty, with a never-used key (first to be taken)."""
         self.lent = False
         if self.on_cuda:  # a copy issued but not computed from: let it land first
@@ -163,7 +166,7 @@ class PrefillStreamExecutor:
         st.clock.add_(1)
         for b in range(self.buffers):
             bs = self.buf_slots[b].long()
-            h = self.held.get(b)
+            h = self.holds.get(b)
             if h is None or self.res_host is None:
                 seed = torch.zeros(E, dtype=torch.bool, device=self.device)
             else:
@@ -184,6 +187,7 @@ class PrefillStreamExecutor:
         if self.rt.capturing:
             self.pending[ordinal] = (b, None)
             return
+        self.holds[b] = ordinal
         E = self.E
         missing = (self.res_host[ordinal * E : (ordinal + 1) * E] < 0).tolist()
         dst = self.buf_host[b]
@@ -229,7 +233,6 @@ class PrefillStreamExecutor:
         layer_res = self.cache.residency.layer_slots(ordinal, self.E)
         slots = torch.where(layer_res >= 0, layer_res, self.buf_slots[b])
         out = run_on_slots(call, topk_ids, slots, self.cache)
-        self.held[b] = ordinal
         if self.on_cuda:
             self.free[b].record()
         nxt = ordinal + self.buffers

@@ -6,7 +6,7 @@ from typing import Dict
 
 
 def prefill_stream_counts(rt) -> Dict[str, object]:
-    """The ``prefill_stream`` object: layer calls served outside the LRU by the prefill
+    """The ``prefill_stream`` object: layer calls served by the prefill
     executors (full-layer streaming and waves), experts sent over PCIe (``experts_streamed``,
     ``bytes_streamed``) or read from their LRU slots instead (``experts_reused``), the wave
     calls among them, ``wait_s``, the time the compute stream waited for a copy (CUDA
