@@ -74,21 +74,6 @@ class Filler:
             slots[: pool.shape[0]].copy_(pool, non_blocking=False)
 
 
-def contiguous_runs(missing) -> list:
-    """``(start, length)`` of each run of consecutive True entries of ``missing`` (a host
-    sequence of bools), in order."""
-    runs, start = [], None
-    for i, m in enumerate(missing):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            runs.append((start, i - start))
-            start = None
-    if start is not None:
-        runs.append((start, len(missing) - start))
-    return runs
-
-
 def row_runs(pairs) -> list:
     """``(src, dst, n)`` runs of ``pairs``, a host sequence of ``(src_row, dst_row)`` in
     ascending ``src_row``: consecutive pairs whose rows both advance by one share a run (one
