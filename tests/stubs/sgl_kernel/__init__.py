@@ -1,11 +1,19 @@
 """A CPU stand-in for ``sgl_kernel``, for running SGLang 0.5.17 on a machine without CUDA.
 
 The CUDA wheel of sgl_kernel cannot be imported without a driver and its CPU build is not on
-PyPI. With ``SGLANG_USE_CPU_ENGINE=1`` SGLang imports a few CPU helpers from it; the only one
-it calls while serving the MoE families we test is ``assign_req_to_token_pool_cpu``, written
-here in plain torch. Every other attribute resolves to a function that raises
-``NotImplementedError`` naming itself when called. No ``torch.ops.sgl_kernel`` op is
-registered, so SGLang takes its native-torch paths.
+PyPI. With ``SGLANG_USE_CPU_ENGINE=1`` SGLang imports a few CPU helpers from it. Written here
+in plain torch: ``assign_req_to_token_pool_cpu`` (every model), and for gated DeltaNet layers
+(Qwen3-Next) the ``mamba`` wrappers and three ``torch.ops.sgl_kernel`` ops (``gdn.py``; each
+checked against transformers in tests/test_stub_gdn_ops.py, and in SGLang by
+tests/test_hybrid_cpu.py). No other ``torch.ops.sgl_kernel`` op is registered, so SGLang takes
+its native-torch paths elsewhere. Every other attribute resolves to a function that raises
+``NotImplementedError`` naming itself when called.
+
+One fix of SGLang's CPU path lives here too, since stock SGLang needs it as much as FreeToken:
+SGLang 0.5.17 builds Qwen3-Next's gated RMSNorm on ``torch.get_device_module()
+.current_device()``, which is ``torch.cuda`` on a CUDA build of torch without a driver; with no
+CUDA device, ``torch.get_device_module()`` without an argument answers ``torch.cuda`` whose
+``current_device()`` is ``"cpu"`` here.
 """
 
 import torch
@@ -29,6 +37,89 @@ def assign_req_to_token_pool_cpu(
         n = e - s
         req_to_token[r, s:e] = out_cache_loc[pos : pos + n].to(req_to_token.dtype)
         pos += n
+
+
+def _register_gdn_ops() -> None:
+    """``torch.ops.sgl_kernel`` ops that SGLang 0.5.17 calls for gated DeltaNet layers on the
+    CPU (``gdn_backend.py``, ``gdn_triton.py``, ``fla/fused_norm_gate.py``), in plain torch
+    (``gdn.py``)."""
+    from typing import Tuple
+
+    from sgl_kernel.gdn import delta_rule, gating
+
+    @torch.library.custom_op("sgl_kernel::fused_gdn_gating_cpu", mutates_args=())
+    def fused_gdn_gating_cpu(
+        A_log: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        g, beta = gating(A_log, a, b, dt_bias)
+        return g.unsqueeze(0).contiguous(), beta.unsqueeze(0).contiguous()
+
+    @torch.library.custom_op(
+        "sgl_kernel::fused_sigmoid_gating_delta_rule_update_cpu",
+        mutates_args=("initial_state_source",),
+    )
+    def fused_sigmoid_gating_delta_rule_update_cpu(
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        initial_state_source: torch.Tensor,
+        initial_state_indices: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        use_qk_l2norm_in_kernel: bool,
+        softplus_beta: float,
+        softplus_threshold: float,
+    ) -> torch.Tensor:
+        # One token per sequence (decode): q, k [1, B, H, K], v [1, B, HV, V], a, b [B, HV].
+        g, beta = gating(A_log, a, b, dt_bias, softplus_beta, softplus_threshold)
+        out = torch.empty(v.shape, dtype=v.dtype)
+        starts = cu_seqlens.tolist()
+        for i, slot in enumerate(initial_state_indices.tolist()):
+            s, e = starts[i], starts[i + 1]
+            o, S = delta_rule(q[0, s:e], k[0, s:e], v[0, s:e], g[s:e], beta[s:e],
+                              initial_state_source[slot], use_qk_l2norm_in_kernel)
+            out[0, s:e] = o.to(v.dtype)
+            initial_state_source[slot] = S.to(initial_state_source.dtype)
+        return out
+
+    @torch.library.custom_op("sgl_kernel::fused_rmsnorm_gated_cpu", mutates_args=())
+    def fused_rmsnorm_gated_cpu(
+        x: torch.Tensor, weight: torch.Tensor, g: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        h = weight * h.to(x.dtype)
+        return (h * torch.nn.functional.silu(g.float())).to(x.dtype)
+
+
+_register_gdn_ops()
+
+if not torch.cuda.is_available():
+    # SGLang 0.5.17 builds FusedRMSNormGated on torch.get_device_module().current_device()
+    # (models/qwen3_next.py, qwen3_5.py): torch.cuda on a CUDA build without a driver.
+    _get_device_module = torch.get_device_module
+
+    class _CudaOnCpu:
+        """``torch.cuda`` in every respect (as before), except that ``current_device()``
+        answers ``"cpu"`` instead of raising for want of a driver."""
+
+        def __getattr__(self, name):
+            return getattr(torch.cuda, name)
+
+        @staticmethod
+        def current_device():
+            return "cpu"
+
+    _cuda_on_cpu = _CudaOnCpu()
+
+    def _device_module(device=None):
+        module = _get_device_module(device)
+        return _cuda_on_cpu if device is None and module is torch.cuda else module
+
+    torch.get_device_module = _device_module
 
 
 def __getattr__(name: str):
