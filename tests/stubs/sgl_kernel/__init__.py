@@ -16,6 +16,8 @@ CUDA device, ``torch.get_device_module()`` without an argument answers ``torch.c
 ``current_device()`` is ``"cpu"`` here.
 """
 
+import functools
+
 import torch
 
 __version__ = "0.0.0+freetoken-cpu-stub"
@@ -115,6 +117,7 @@ if not torch.cuda.is_available():
 
     _cuda_on_cpu = _CudaOnCpu()
 
+    @functools.wraps(_get_device_module)  # torch.compile looks for __wrapped__
     def _device_module(device=None):
         module = _get_device_module(device)
         return _cuda_on_cpu if device is None and module is torch.cuda else module
