@@ -2,21 +2,24 @@
 
 The CUDA wheel of sgl_kernel cannot be imported without a driver and its CPU build is not on
 PyPI. With ``SGLANG_USE_CPU_ENGINE=1`` SGLang imports a few CPU helpers from it. Written here
-in plain torch: ``assign_req_to_token_pool_cpu`` (every model), and for gated DeltaNet layers
-(Qwen3-Next) the ``mamba`` wrappers and three ``torch.ops.sgl_kernel`` ops (``gdn.py``; each
-checked against transformers in tests/test_stub_gdn_ops.py, and in SGLang by
-tests/test_hybrid_cpu.py). No other ``torch.ops.sgl_kernel`` op is registered, so SGLang takes
-its native-torch paths elsewhere. Every other attribute resolves to a function that raises
+in plain torch: ``assign_req_to_token_pool_cpu`` (every model), for gated DeltaNet layers
+(Qwen3-Next, Qwen3.5) the ``mamba`` wrappers and three ``torch.ops.sgl_kernel`` ops
+(``gdn.py``), and Qwen3.5's four attention/projection ops (``qwen3_5.py``); each checked
+against transformers in tests/test_stub_gdn_ops.py, and in SGLang by tests/test_hybrid_cpu.py.
+No other ``torch.ops.sgl_kernel`` op is registered, so SGLang takes its native-torch paths
+elsewhere. Every other attribute resolves to a function that raises
 ``NotImplementedError`` naming itself when called.
 
-One fix of SGLang's CPU path lives here too, since stock SGLang needs it as much as FreeToken:
+Two fixes of SGLang's CPU path live here too, since stock SGLang needs them as much as FreeToken:
 SGLang 0.5.17 builds Qwen3-Next's gated RMSNorm on ``torch.get_device_module()
 .current_device()``, which is ``torch.cuda`` on a CUDA build of torch without a driver; with no
 CUDA device, ``torch.get_device_module()`` without an argument answers ``torch.cuda`` whose
-``current_device()`` is ``"cpu"`` here.
+``current_device()`` is ``"cpu"`` here. Likewise ``torch.cuda.get_device_properties`` of a CPU
+device, which Qwen3.5's gated RMSNorm asks for its SM count, answers one.
 """
 
 import functools
+import types
 
 import torch
 
@@ -97,7 +100,50 @@ def _register_gdn_ops() -> None:
         return (h * torch.nn.functional.silu(g.float())).to(x.dtype)
 
 
+def _register_qwen3_5_ops() -> None:
+    """The four ``torch.ops.sgl_kernel`` ops SGLang 0.5.17's ``models/qwen3_5.py`` binds at
+    import on the CPU, with sgl-kernel's CPU signatures, in plain torch (``qwen3_5.py``).
+    (``fused_input_proj_cpu`` there runs only for bf16 AMX-packed weights: not registered.)"""
+    from typing import Tuple
+
+    from sgl_kernel import qwen3_5 as q35
+
+    @torch.library.custom_op("sgl_kernel::fused_sigmoid_mul_cpu", mutates_args=("input",))
+    def fused_sigmoid_mul_cpu(input: torch.Tensor, gate: torch.Tensor,
+                              inplace: bool) -> torch.Tensor:
+        out = q35.sigmoid_mul(input, gate)
+        if inplace:
+            input.copy_(out)
+        return out  # a copy even when inplace: custom ops may not return an input
+
+    @torch.library.custom_op("sgl_kernel::fused_qk_gemma_rmsnorm_cpu", mutates_args=())
+    def fused_qk_gemma_rmsnorm_cpu(
+        q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+        eps: float, head_dim: int,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        return q35.qk_gemma_rmsnorm(q, k, q_weight, k_weight, eps, head_dim)
+
+    @torch.library.custom_op("sgl_kernel::fused_qk_gemma_rmsnorm_with_gate_cpu",
+                             mutates_args=())
+    def fused_qk_gemma_rmsnorm_with_gate_cpu(
+        q_gate: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+        eps: float, head_dim: int, num_head: int,
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return q35.qk_gemma_rmsnorm_with_gate(q_gate, k, q_weight, k_weight, eps, head_dim,
+                                              num_head)
+
+    @torch.library.custom_op("sgl_kernel::fused_qkvzba_split_reshape_cat_contiguous_cpu",
+                             mutates_args=())
+    def fused_qkvzba_split_reshape_cat_contiguous_cpu(
+        mixed_qkvz: torch.Tensor, mixed_ba: torch.Tensor, num_heads_qk: int, num_heads_v: int,
+        head_qk: int, head_v: int,
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return q35.qkvzba_split_contiguous(mixed_qkvz, mixed_ba, num_heads_qk, num_heads_v,
+                                           head_qk, head_v)
+
+
 _register_gdn_ops()
+_register_qwen3_5_ops()
 
 if not torch.cuda.is_available():
     # SGLang 0.5.17 builds FusedRMSNormGated on torch.get_device_module().current_device()
@@ -123,6 +169,21 @@ if not torch.cuda.is_available():
         return _cuda_on_cpu if device is None and module is torch.cuda else module
 
     torch.get_device_module = _device_module
+
+    # Without sgl-kernel's AMX backend (``convert_weight_packed``, not in this stand-in),
+    # SGLang 0.5.17 runs Qwen3.5's gated RMSNorm (fla/layernorm_gated.py) as a Triton kernel
+    # whose grid is sized by torch.cuda.get_device_properties(x.device).multi_processor_count,
+    # asked even of a CPU tensor. For a CPU device, answer one "multiprocessor" (Triton's
+    # interpreter runs one program at a time; rows per block do not change the result).
+    _get_device_properties = torch.cuda.get_device_properties
+
+    @functools.wraps(_get_device_properties)
+    def _device_properties(device=None):
+        if device is not None and torch.device(device).type == "cpu":
+            return types.SimpleNamespace(multi_processor_count=1)
+        return _get_device_properties(device)
+
+    torch.cuda.get_device_properties = _device_properties
 
 
 def __getattr__(name: str):
