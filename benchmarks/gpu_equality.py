@@ -98,8 +98,9 @@ def main():
     ap.add_argument("--prefill-checks", nargs="?", const="lru,reserved,waves", default="",
                     help="also run fill with: lru (prefill through the LRU, "
                          "--freetoken-prefill lru), reserved (prefill buffers reserved, not "
-                         "borrowed), waves (a cache smaller than two layers); a comma list, "
-                         "all three when bare")
+                         "borrowed), waves (a cache smaller than two layers), anchors_off "
+                         "(hybrid families: no semantic anchors); a comma list, lru,reserved,"
+                         "waves when bare")
     a = ap.parse_args()
     from freetoken_sglang.tiny_models import TinyShape, build_tiny_checkpoint
 
@@ -120,7 +121,9 @@ def main():
     runs = [(p, {}) for p in policies]
     checks = {"lru": {"freetoken_prefill": "lru"},
               "reserved": {"freetoken_prefill_buffers": "reserved"},
-              "waves": {"freetoken_cache_slots": 12}}
+              "waves": {"freetoken_cache_slots": 12},
+              # hybrid families: semantic anchors off (SGLang's own hybrid cache strategy)
+              "anchors_off": {"freetoken_anchors": "off"}}
     for name in [c for c in a.prefill_checks.split(",") if c]:
         if name not in checks:
             raise SystemExit(f"--prefill-checks: unknown {name!r} (choose from {', '.join(checks)})")

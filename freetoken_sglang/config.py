@@ -192,6 +192,44 @@ class FreeTokenConfig:
         ),
     )
 
+    anchors: Optional[str] = field(
+        default=None,
+        metadata=dict(
+            type=_choice("on", "off"),
+            help="Semantic anchors (hybrid models): a prefill chunk ends at each thinking, "
+            "tool-call, tool-output and turn marker so that the recurrent state there is "
+            "kept, with its own budget, and a later turn edited after it restores from it. "
+            "Default: on for hybrid models (it sets --mamba-radix-cache-strategy no_buffer); "
+            "off turns it off.",
+        ),
+    )
+    anchor_tokens: Optional[str] = field(
+        default=None,
+        metadata=dict(
+            type=str,
+            help="Comma-separated anchor markers instead of the default "
+            "<think>,</think>,<tool_call>,</tool_call>,<tool_response>,</tool_response>,"
+            "<|im_start|>,<|im_end|> (a marker may encode to several tokens).",
+        ),
+    )
+    anchor_states: Optional[int] = field(
+        default=None,
+        metadata=dict(
+            type=_positive_int,
+            help="Anchor states kept at most, least recently used evicted first (default: "
+            "half the mamba state pool left after two states per running request; logged).",
+        ),
+    )
+    anchor_min_distance: int = field(
+        default=32,
+        metadata=dict(
+            type=_positive_int,
+            help="Anchors closer than this many tokens to the previous one are merged into "
+            "it, and an anchor this close after the matched prefix or before the prompt end "
+            "keeps that state instead of ending a chunk (default 32; 1: every marker).",
+        ),
+    )
+
     record_routing: Optional[str] = field(
         default=None,
         metadata=dict(
@@ -201,6 +239,17 @@ class FreeTokenConfig:
             "benchmarks/replay.py). Off by default, and free when off.",
         ),
     )
+
+
+    def anchors_enabled(self, hybrid: bool) -> bool:
+        """Whether semantic anchors run for a model (``hybrid``: families.is_hybrid)."""
+        return hybrid and self.anchors != "off"
+
+    def anchor_marker_list(self):
+        """The anchor marker strings in use (``--freetoken-anchor-tokens`` or the default)."""
+        from freetoken_sglang.anchors.markers import DEFAULT_MARKERS, parse_markers
+
+        return parse_markers(self.anchor_tokens) if self.anchor_tokens else DEFAULT_MARKERS
 
 
 def cli_name(field_name: str) -> str:
@@ -314,6 +363,17 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
                     problems.append(
                         f"{cli_name(name)} has no effect with --freetoken-prefill lru"
                     )
+        if cfg.anchors == "off":
+            for name in ("anchor_tokens", "anchor_states", "anchor_min_distance"):
+                if name in given:
+                    problems.append(f"{cli_name(name)} has no effect with --freetoken-anchors off")
+        if cfg.anchor_tokens:
+            from freetoken_sglang.anchors.markers import parse_markers
+
+            try:
+                parse_markers(cfg.anchor_tokens)
+            except ValueError as e:
+                problems.append(str(e))
         if sizes and "kv_reserve_gb" in given:
             problems.append(
                 "--freetoken-kv-reserve-gb applies only without a cache-size flag"
@@ -348,6 +408,68 @@ def _choose_chunk(kwargs: Dict[str, Any], cfg: Optional[FreeTokenConfig]) -> Non
         gpu_mem / 1024,
     )
     kwargs["chunked_prefill_size"] = chunk
+
+
+def _is_hybrid_checkpoint(kwargs: Dict[str, Any]) -> Optional[bool]:
+    """Whether ``model_path`` is a hybrid family (None: its config cannot be read here)."""
+    from freetoken_sglang import families
+
+    path = kwargs.get("model_path")
+    if not path:
+        return None
+    try:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(
+            path, trust_remote_code=bool(kwargs.get("trust_remote_code")),
+            revision=kwargs.get("revision"),
+        )
+        return families.is_hybrid(hf_config)
+    except Exception:
+        return None  # unreadable or unsupported: the later checks name it
+
+
+def _anchor_overrides(kwargs: Dict[str, Any], cfg: FreeTokenConfig) -> None:
+    """The ServerArgs semantic anchors need: SGLang's ``no_buffer`` hybrid cache strategy,
+    which keeps a recurrent state at every prefill chunk end (``extra_buffer`` keeps states
+    on a 64-token grid only), with the overlap schedule off as that strategy requires.
+
+    Raises:
+        ValueError: anchors on a non-hybrid model, or with settings they cannot run under.
+    """
+    hybrid = _is_hybrid_checkpoint(kwargs)
+    if not hybrid:
+        if cfg.anchors == "on" and hybrid is False:
+            raise ValueError(
+                "--freetoken-anchors on applies to hybrid models (Qwen3-Next, Qwen3.5-MoE) "
+                "only: drop it"
+            )
+        return
+    if cfg.anchors == "off":
+        return
+    problems = []
+    if kwargs.get("disable_radix_cache"):
+        problems.append("they need the radix cache: drop --disable-radix-cache")
+    if kwargs.get("chunked_prefill_size") == -1:
+        problems.append("they end prefill chunks: drop --chunked-prefill-size -1")
+    strategy = kwargs.get("mamba_radix_cache_strategy") or "auto"
+    if strategy not in ("auto", "no_buffer"):
+        problems.append(
+            f"they need --mamba-radix-cache-strategy no_buffer (a state at each chunk end), "
+            f"not {strategy}"
+        )
+    if problems:
+        raise ValueError(
+            "--enable-freetoken: semantic anchors (on by default for hybrid models): "
+            + "; ".join(problems) + "; or pass --freetoken-anchors off"
+        )
+    if strategy == "auto":
+        logger.info(
+            "FreeToken: semantic anchors set --mamba-radix-cache-strategy no_buffer and "
+            "--disable-overlap-schedule (a recurrent state at each prefill chunk end)"
+        )
+        kwargs["mamba_radix_cache_strategy"] = "no_buffer"
+        kwargs["disable_overlap_schedule"] = True
 
 
 def apply_server_args_overrides(
@@ -405,6 +527,8 @@ def apply_server_args_overrides(
     if problems:
         raise ValueError("--enable-freetoken: " + "; ".join(problems))
     _choose_chunk(kwargs, cfg)
+    if cfg is not None:
+        _anchor_overrides(kwargs, cfg)
     if not kwargs.get("disable_shared_experts_fusion"):
         logger.info(
             "FreeToken: setting disable_shared_experts_fusion=True so that shared "

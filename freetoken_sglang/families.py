@@ -39,6 +39,13 @@ def _glm4_moe_layers(cfg) -> List[int]:
     ]
 
 
+def _qwen_sparse_step_layers(cfg) -> List[int]:
+    # Qwen3-Next and Qwen3.5-MoE build Qwen2MoeSparseMoeBlock in every decoder layer
+    # (Qwen3HybridLinearDecoderLayer / Qwen3_5LinearDecoderLayer set is_layer_sparse = True
+    # unconditionally in SGLang 0.5.17); mlp_only_layers and decoder_sparse_step are ignored.
+    return list(range(cfg.num_hidden_layers))
+
+
 def _num_experts(cfg) -> int:
     for name in ("n_routed_experts", "num_experts", "num_local_experts"):
         value = getattr(cfg, name, None)
@@ -58,7 +65,21 @@ SUPPORTED: Dict[str, tuple] = {
     "DeepseekV2ForCausalLM": ("DeepSeek-V2", _deepseek_layers),
     "DeepseekV3ForCausalLM": ("DeepSeek-V3", _deepseek_layers),
     "Glm4MoeForCausalLM": ("GLM-4-MoE", _glm4_moe_layers),
+    # Hybrid: gated DeltaNet layers interleaved with full attention (HYBRID below).
+    "Qwen3NextForCausalLM": ("Qwen3-Next", _qwen_sparse_step_layers),
+    "Qwen3_5MoeForCausalLM": ("Qwen3.5-MoE", _qwen_sparse_step_layers),
+    "Qwen3_5MoeForConditionalGeneration": ("Qwen3.5-MoE", _qwen_sparse_step_layers),
 }
+
+# Families whose recurrent layers keep a state per request (SGLang's hybrid machinery:
+# HybridReqToTokenPool, the mamba radix-cache component); semantic anchors apply to them.
+HYBRID = {"Qwen3-Next", "Qwen3.5-MoE"}
+
+
+def text_config(hf_config):
+    """The language model's config (a vision-language checkpoint nests it as text_config)."""
+    get = getattr(hf_config, "get_text_config", None)
+    return get() if get is not None else hf_config
 
 
 def family_of(hf_config) -> tuple:
@@ -111,19 +132,25 @@ def check_model_path(model_path: str, trust_remote_code: bool = False, revision=
 def moe_layer_ids(hf_config) -> List[int]:
     """The transformer layer ids that build a ``FusedMoE``, in order."""
     _, rule = family_of(hf_config)
-    return rule(hf_config)
+    return rule(text_config(hf_config))
 
 
 def num_routed_experts(hf_config) -> int:
     """E: routed experts per MoE layer."""
-    return _num_experts(hf_config)
+    return _num_experts(text_config(hf_config))
 
 
 def expert_intermediate_size(hf_config) -> int:
     """I: the routed experts' intermediate size (Mixtral and OLMoE use ``intermediate_size``)."""
-    return int(getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size)
+    cfg = text_config(hf_config)
+    return int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
 
 
 def top_k(hf_config) -> int:
-    return int(hf_config.num_experts_per_tok)
+    return int(text_config(hf_config).num_experts_per_tok)
+
+
+def is_hybrid(hf_config) -> bool:
+    """Whether the checkpoint is a hybrid (recurrent + attention) family (``HYBRID``)."""
+    return family_of(hf_config)[0] in HYBRID
 

@@ -23,7 +23,7 @@ from freetoken_sglang.pool import GIB, HostExpertPool, bank_specs_for_layer
 
 def scratch_pool(hf_config, pool_gb: float) -> HostExpertPool:
     """A pool of the model's expert shape holding about ``pool_gb`` GiB of random values."""
-    hidden = int(hf_config.hidden_size)
+    hidden = int(families.text_config(hf_config).hidden_size)
     inter = families.expert_intermediate_size(hf_config)
     dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
     if isinstance(dtype, str):
@@ -62,7 +62,7 @@ def main(argv=None) -> None:
         pool.pin()
     with CpuExpertExecutor(pool.banks, num_threads=a.threads) as ex:
         b_p = bandwidth.measure_fill(pool.banks, pool.device_banks, device)
-        b_h = bandwidth.measure_executor(ex, int(hf_config.hidden_size), pool.specs["w13_weight"].dtype)
+        b_h = bandwidth.measure_executor(ex, int(families.text_config(hf_config).hidden_size), pool.specs["w13_weight"].dtype)
         shape = bandwidth.expert_shape(pool.specs["w13_weight"])
         key = bandwidth.machine_key(device, ex.num_threads, shape)
         entry = {

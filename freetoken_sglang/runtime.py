@@ -40,6 +40,18 @@ def config_of(server_args) -> Optional[FreeTokenConfig]:
     return getattr(server_args, SERVER_ARGS_ATTR, None)
 
 
+def _tokenizer(server_args):
+    """The model's tokenizer (transformers; SGLang's own ``get_tokenizer`` options)."""
+    from sglang.srt.utils.hf_transformers import get_tokenizer
+
+    return get_tokenizer(
+        server_args.tokenizer_path,
+        tokenizer_mode=server_args.tokenizer_mode,
+        trust_remote_code=server_args.trust_remote_code,
+        tokenizer_revision=server_args.revision,
+    )
+
+
 class FreeTokenRuntime:
     """Pool, cache, counters and per-step shared tensors of one model runner.
 
@@ -87,6 +99,16 @@ class FreeTokenRuntime:
         # Real rows of the current forward; rows past it are graph padding.
         self.num_valid = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.load_report: Dict[str, float] = {}
+        # Semantic anchors (hybrid models; anchors/): markers now, states once the
+        # scheduler's radix cache exists (patches/scheduler.py).
+        self.anchors = None
+        if config.anchors_enabled(families.is_hybrid(hf_config)):
+            from freetoken_sglang.anchors.book import Anchors
+
+            self.anchors = Anchors.from_tokenizer(
+                _tokenizer(self.server_args), config.anchor_marker_list(),
+                config.anchor_min_distance, config.anchor_states,
+            )
 
     # ---- model build --------------------------------------------------------------------
     def pool_for_layer(self, layer, num_experts: int, specs: Dict[str, BankSpec]) -> HostExpertPool:

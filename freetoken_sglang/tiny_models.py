@@ -24,7 +24,12 @@ FAMILIES = (
     "deepseek_v2",
     "deepseek_v3",
     "glm4_moe",
+    "qwen3_next",
+    "qwen3_5_moe",
 )
+
+# Gated DeltaNet + full attention (families.HYBRID).
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe")
 
 # Special tokens of the chat template; the agent boundaries are the semantic anchors of
 # paper §3.1.
@@ -262,6 +267,58 @@ def _glm4_moe(s, c):
     )
 
 
+def _qwen3_next(s, c):
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        **c,
+        head_dim=s.head_dim,
+        intermediate_size=s.moe_intermediate_size * 2,
+        moe_intermediate_size=s.moe_intermediate_size,
+        shared_expert_intermediate_size=s.moe_intermediate_size,
+        num_experts=s.num_experts,
+        num_experts_per_tok=s.top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        full_attention_interval=2,
+        linear_num_value_heads=s.num_heads,
+        linear_num_key_heads=s.num_kv_heads,
+        linear_key_head_dim=s.head_dim,
+        linear_value_head_dim=s.head_dim,
+        linear_conv_kernel_dim=4,
+    )
+
+
+def _qwen3_5_moe(s, c):
+    """The Qwen3.5-MoE text model (``Qwen3_5MoeForCausalLM``): gated full attention, Gemma
+    norms, partial RoPE; its router always renormalizes the top-k (no norm_topk_prob)."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(
+        **c,
+        head_dim=s.head_dim,
+        moe_intermediate_size=s.moe_intermediate_size,
+        shared_expert_intermediate_size=s.moe_intermediate_size,
+        num_experts=s.num_experts,
+        num_experts_per_tok=s.top_k,
+        full_attention_interval=2,
+        linear_num_value_heads=s.num_heads,
+        linear_num_key_heads=s.num_kv_heads,
+        linear_key_head_dim=s.head_dim,
+        linear_value_head_dim=s.head_dim,
+        linear_conv_kernel_dim=4,
+    )
+
+
+# config.json keys transformers does not write but SGLang 0.5.17's config class reads
+# (Qwen3NextConfig.save_pretrained writes layer_types; SGLang derives them from this).
+_EXTRA_CONFIG_KEYS = {
+    "qwen3_next": {"full_attention_interval": 2},
+    "qwen3_5_moe": {"full_attention_interval": 2},
+}
+
+
 _BUILDERS: Dict[str, Callable] = {
     "qwen3_moe": _qwen3_moe,
     "qwen2_moe": _qwen2_moe,
@@ -270,6 +327,8 @@ _BUILDERS: Dict[str, Callable] = {
     "deepseek_v2": lambda s, c: _deepseek(s, c, v3=False),
     "deepseek_v3": lambda s, c: _deepseek(s, c, v3=True),
     "glm4_moe": _glm4_moe,
+    "qwen3_next": _qwen3_next,
+    "qwen3_5_moe": _qwen3_5_moe,
 }
 
 
@@ -319,9 +378,13 @@ def build_tiny_checkpoint(
     config = _BUILDERS[family](shape, common)
     config.dtype = dtype
     torch.manual_seed(seed)
+    if family in HYBRID_FAMILIES:
+        # transformers' own init (initializer_range 0.02): with std 0.2 the recurrent layers
+        # make a tiny model chaotic, and fp32 op order alone flips its greedy tokens
+        config.initializer_range = 0.02
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in (() if family in HYBRID_FAMILIES else model.named_parameters()):
             if p.dim() >= 2:
                 p.normal_(0.0, shape.init_std)
             elif "bias" in name and "correction" in name:
@@ -330,6 +393,14 @@ def build_tiny_checkpoint(
     model.generation_config.eos_token_id = common["eos_token_id"]
     model.generation_config.pad_token_id = common["pad_token_id"]
     model.save_pretrained(out_dir, safe_serialization=True)
+    extra = _EXTRA_CONFIG_KEYS.get(family)
+    if extra:
+        cfg_path = os.path.join(out_dir, "config.json")
+        with open(cfg_path) as f:
+            written = json.load(f)
+        written.update(extra)
+        with open(cfg_path, "w") as f:
+            json.dump(written, f, indent=2)
     tok.save_pretrained(out_dir)
     with open(stamp_path, "w") as f:
         f.write(stamp)

@@ -30,6 +30,8 @@ def all_hooks() -> List[Hook]:
         model_loader,
         model_runner,
         moe_layer,
+        radix_cache,
+        schedule_policy,
         scheduler,
         server_args,
     )
@@ -42,6 +44,8 @@ def all_hooks() -> List[Hook]:
         model_runner,
         cuda_graph,
         scheduler,
+        schedule_policy,
+        radix_cache,
         http_server,
     ):
         hooks.extend(module.HOOKS)

@@ -3,6 +3,9 @@
 - ``scheduler.Scheduler.get_internal_state`` (after): adds the runtime's stats under
   ``"freetoken"``, which is how ``GET /freetoken/stats`` and ``Engine.get_server_info()``
   reach the scheduler process.
+- ``scheduler.Scheduler.__init__`` (after): gives the semantic anchors (hybrid models) the
+  scheduler's radix cache and sizes their state budget from its mamba pool
+  (``anchors.book.Anchors.attach``).
 - ``scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats``
   (after): on the steps SGLang logs decode stats, logs the cache's hit rate and counts.
 """
@@ -26,6 +29,27 @@ def get_internal_state(result, self, *args, **kwargs):
     return result
 
 
+def scheduler_init(result, self, *args, **kwargs):
+    from freetoken_sglang.runtime import get_runtime
+
+    rt = get_runtime()
+    an = getattr(rt, "anchors", None) if rt is not None else None
+    if an is None:
+        return None
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    cache = self.tree_cache
+    pool = getattr(self.req_to_token_pool, "mamba_pool", None)
+    if not isinstance(cache, UnifiedRadixCache) or pool is None:
+        raise RuntimeError(
+            f"--enable-freetoken: semantic anchors need SGLang's hybrid radix cache "
+            f"(UnifiedRadixCache with a mamba pool), got {type(cache).__name__}; pass "
+            "--freetoken-anchors off"
+        )
+    an.attach(cache, pool.size, self.max_running_requests)
+    return None
+
+
 def report_decode_stats(result, self, *args, **kwargs):
     from freetoken_sglang.runtime import get_runtime
 
@@ -40,6 +64,7 @@ def report_decode_stats(result, self, *args, **kwargs):
 
 
 HOOKS = [
+    Hook("sglang.srt.managers.scheduler.Scheduler.__init__", scheduler_init, "after"),
     Hook(
         "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
         get_internal_state,

@@ -35,7 +35,8 @@ def prefill_stream_counts(rt) -> Dict[str, object]:
 def stats_document(rt) -> Dict[str, object]:
     """Pool, cache, layout, backend, miss policy, bandwidths, the LRU counters (``decode`` and
     ``prefill`` phases count only layer calls that went through the LRU), ``prefill_stream``,
-    the forwards seen per mode and the load report of the runtime ``rt``."""
+    the forwards seen per mode, the load report and the semantic ``anchors`` (None when off;
+``anchors.states.AnchorStates.snapshot``) of the runtime ``rt``."""
     out: Dict[str, object] = {
         "family": rt.family,
         "num_moe_layers": len(rt.moe_layer_ids),
@@ -85,4 +86,6 @@ def stats_document(rt) -> Dict[str, object]:
         out["prefill_stream"] = prefill_stream_counts(rt)
     out["forwards"] = dict(rt.forwards)
     out["load"] = dict(rt.load_report)
+    anchors = getattr(rt, "anchors", None)
+    out["anchors"] = anchors.snapshot() if anchors is not None else None
     return out

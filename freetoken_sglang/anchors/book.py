@@ -1,0 +1,72 @@
+"""The anchors of one scheduler process: the markers in use, each request's plan, the states."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence, Tuple
+
+from freetoken_sglang.anchors.markers import find_markers, marker_ids
+from freetoken_sglang.anchors.plan import AnchorPlan, plan
+from freetoken_sglang.anchors.states import AnchorStates
+
+logger = logging.getLogger(__name__)
+
+# Request attribute holding its AnchorPlan (set at admission).
+PLAN_ATTR = "_freetoken_anchor_plan"
+
+
+def default_budget(mamba_slots: int, max_running_requests: int) -> int:
+    """Anchor states kept by default: half the mamba pool's slots left after two per running
+    request (its own state and the copy a prefill chunk end inserts), at least 1."""
+    return max(1, (int(mamba_slots) - 2 * int(max_running_requests)) // 2)
+
+
+class Anchors:
+    """Anchor markers ``markers`` (strings) encoded as ``ids``, merged within ``min_distance``
+    tokens (``plan.plan``);
+    ``states`` is set by ``attach`` once the scheduler's radix cache exists."""
+
+    def __init__(self, markers: Sequence[str], ids: Sequence[Tuple[int, ...]],
+                 min_distance: int, budget: Optional[int]):
+        self.markers = tuple(markers)
+        self.ids = [tuple(m) for m in ids]
+        self.min_distance = int(min_distance)
+        self.requested_budget = budget
+        self.states: Optional[AnchorStates] = None
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, markers, min_distance, budget) -> "Anchors":
+        return cls(markers, marker_ids(tokenizer, markers), min_distance, budget)
+
+    def attach(self, tree_cache, mamba_slots: int, max_running_requests: int) -> None:
+        """Keep anchor states in ``tree_cache`` (a ``UnifiedRadixCache`` with a mamba
+        component); the budget is the flag's or ``default_budget``; logged."""
+        given = self.requested_budget is not None
+        budget = self.requested_budget if given else default_budget(
+            mamba_slots, max_running_requests)
+        self.states = AnchorStates(tree_cache, budget)
+        shown = ", ".join(f"{m!r}={list(i)}" for m, i in zip(self.markers, self.ids))
+        logger.info(
+            "FreeToken anchors: %s; a prefill chunk ends at each (merged within %d tokens); "
+            "at most %d anchor states%s (mamba pool of %d states, %d running requests)",
+            shown, self.min_distance, budget, "" if given else " (default)", mamba_slots,
+            max_running_requests,
+        )
+
+    def positions(self, ids: Sequence[int]):
+        """Marker positions of the prompt ``ids``."""
+        return find_markers(ids, self.ids)
+
+    def plan_for(self, req, prefix_len: int) -> AnchorPlan:
+        """The plan of an admitted SGLang ``Req`` with ``prefix_len`` matched tokens (stored on
+        the request for its later chunks)."""
+        prompt = req.origin_input_ids
+        p = plan(self.positions(prompt), prefix_len, len(prompt), self.min_distance)
+        setattr(req, PLAN_ATTR, p)
+        return p
+
+    def snapshot(self):
+        out = {"markers": list(self.markers), "min_distance": self.min_distance}
+        if self.states is not None:
+            out.update(self.states.snapshot())
+        return out

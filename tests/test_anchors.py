@@ -1,0 +1,241 @@
+"""Semantic anchors (paper §3.1): markers found in token ids, the per-request plan of chunk
+cuts and kept states, the flags and the ServerArgs they imply."""
+
+from __future__ import annotations
+
+import pytest
+
+from freetoken_sglang import config as ft
+from freetoken_sglang.anchors.markers import (DEFAULT_MARKERS, find_markers, marker_ids,
+                                              parse_markers)
+from freetoken_sglang.anchors.plan import next_cut, plan
+
+
+def test_markers_are_found_at_their_start_and_may_be_several_tokens():
+    markers = [(7,), (3, 4)]  # a one-token marker and a two-token opener
+    ids = [1, 7, 2, 3, 4, 3, 5, 7, 3, 4]
+    assert find_markers(ids, markers) == [1, 3, 7, 8]  # 3 not followed by 4 is no marker
+
+
+def test_marker_ids_come_from_the_tokenizer(tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint("qwen3_moe"))
+    ids = marker_ids(tok, DEFAULT_MARKERS)
+    assert ids == [(tok.convert_tokens_to_ids(m),) for m in DEFAULT_MARKERS]
+    # a plain-text marker encodes to several tokens
+    (several,) = marker_ids(tok, ["tool result:"])
+    assert len(several) > 1 and several == tuple(tok.encode("tool result:",
+                                                            add_special_tokens=False))
+    assert parse_markers(" <think> ,</think>") == ("<think>", "</think>")
+    with pytest.raises(ValueError, match="non-empty markers"):
+        parse_markers("<think>,,")
+
+
+def test_plan_cuts_at_every_marker_beyond_the_prefix_with_distance_one():
+    p = plan([3, 10, 11, 40], prefix_len=10, prompt_len=50, min_distance=1)
+    assert p.cuts == (11, 40)  # 3 lies in the prefix; 10 is the prefix's own state
+    assert p.keep == (10, 11, 40)
+    assert next_cut(p.cuts, 10) == 11 and next_cut(p.cuts, 11) == 40
+    assert next_cut(p.cuts, 40) is None
+
+
+def test_plan_merges_close_markers_into_the_prefix_the_cut_or_the_prompt_end():
+    # the turn boundary right after the matched prefix, a tool output at 140 with markers
+    # 2 and 5 tokens later, the closing markers 6 tokens before the prompt end
+    p = plan([103, 105, 140, 142, 145, 200, 201, 203], prefix_len=100, prompt_len=206,
+             min_distance=32)
+    assert p.cuts == (140,)
+    assert p.keep == (100, 140, 206)
+    # no matched prefix: markers close to the start are dropped, not kept at 0
+    p = plan([2, 5, 60], prefix_len=0, prompt_len=200, min_distance=32)
+    assert p.cuts == (60,) and p.keep == (60,)
+
+
+def test_anchor_flags():
+    cfg = ft.pop_config({"enable_freetoken": True})
+    assert cfg.anchors is None and cfg.anchor_min_distance == 32
+    assert cfg.anchors_enabled(hybrid=True) and not cfg.anchors_enabled(hybrid=False)
+    assert cfg.anchor_marker_list() == DEFAULT_MARKERS
+    cfg = ft.pop_config({"enable_freetoken": True, "freetoken_anchor_tokens": "<a>,<b>",
+                         "freetoken_anchor_states": 4})
+    assert cfg.anchor_marker_list() == ("<a>", "<b>") and cfg.anchor_states == 4
+    off = ft.pop_config({"enable_freetoken": True, "freetoken_anchors": "off"})
+    assert not off.anchors_enabled(hybrid=True)
+    for kw, needle in [
+        ({"freetoken_anchors": "off", "freetoken_anchor_states": 4},
+         "--freetoken-anchor-states has no effect with --freetoken-anchors off"),
+        ({"freetoken_anchor_tokens": ","}, "non-empty markers"),
+        ({"freetoken_anchors": "maybe"}, "invalid choice 'maybe'"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            ft.pop_config({"enable_freetoken": True, **kw})
+
+
+def test_anchor_server_args(tiny_checkpoint):
+    hybrid = tiny_checkpoint("qwen3_next")
+    dense = tiny_checkpoint("qwen3_moe")
+    on = ft.pop_config({"enable_freetoken": True, "freetoken_anchors": "on"})
+    default = ft.pop_config({"enable_freetoken": True})
+    kw = ft.apply_server_args_overrides({"model_path": hybrid, "device": "cpu"}, default)
+    assert kw["mamba_radix_cache_strategy"] == "no_buffer"
+    assert kw["disable_overlap_schedule"] is True
+    kw = ft.apply_server_args_overrides({"model_path": dense, "device": "cpu"}, default)
+    assert "mamba_radix_cache_strategy" not in kw
+    for model, extra, needle in [
+        (dense, {}, "applies to hybrid models .* only"),
+        (hybrid, {"mamba_radix_cache_strategy": "extra_buffer"},
+         "need --mamba-radix-cache-strategy no_buffer .*not extra_buffer"),
+        (hybrid, {"disable_radix_cache": True}, "drop --disable-radix-cache"),
+        (hybrid, {"chunked_prefill_size": -1}, "drop --chunked-prefill-size -1"),
+    ]:
+        with pytest.raises(ValueError, match=needle + ".*--freetoken-anchors off|" + needle):
+            ft.apply_server_args_overrides({"model_path": model, "device": "cpu", **extra}, on)
+    off = ft.pop_config({"enable_freetoken": True, "freetoken_anchors": "off"})
+    kw = ft.apply_server_args_overrides(
+        {"model_path": hybrid, "device": "cpu", "disable_radix_cache": True}, off)
+    assert "mamba_radix_cache_strategy" not in kw
+
+
+# ---- end to end on the CPU-run SGLang (tiny Qwen3-Next, 25% cache) ------------------------
+
+NEW = 4
+SYSTEM = {"role": "system", "content": "you are a coding agent"}
+TASK = {"role": "user", "content": "read the file and run the test"}
+
+
+def _step(i):
+    """The i-th agent step: thinking and a tool call, then the tool's output."""
+    words = "python function class return value error test passes fails build".split()
+    return [
+        {"role": "assistant",
+         "content": f"<think>\nstep {i} the {words[i % 10]} {words[(i + 3) % 10]}\n</think>\n\n",
+         "tool_calls": [{"function": {"name": "read_file", "arguments": {"path": f"{i}.py"}}}]},
+        {"role": "tool", "content": " ".join(words[(i + j) % 10] for j in range(8))},
+    ]
+
+
+def _edit(messages, kind):
+    """A harness edit of every step but the newest (the three of the hybrid-model issue)."""
+    steps = [messages[i:i + 2] for i in range(2, len(messages), 2)]
+    out = messages[:2]
+    for n, (assistant, tool) in enumerate(steps):
+        old = n < len(steps) - 1
+        if old and kind == "drop_thinking":
+            assistant = dict(assistant, content="")
+        if old and kind == "placeholder":
+            tool = dict(tool, content="[output removed]")
+        if old and kind == "last_observation":
+            out.append(assistant)
+            continue
+        out += [assistant, tool]
+    return out
+
+
+def _restore_point(prompt, sent, marker_ids):
+    """The spec: the deepest state at or before the first position where ``prompt`` leaves
+    an earlier prompt, over every earlier prompt; with a merge distance of 1 every marker
+    position and every prompt end holds one (0: none)."""
+    best = 0
+    for prev in sent:
+        lcp = next((i for i, (a, b) in enumerate(zip(prompt, prev)) if a != b),
+                   min(len(prompt), len(prev)))
+        states = find_markers(prev, marker_ids) + [len(prev)]
+        best = max([best] + [p for p in states if p <= lcp])
+    return best
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_checkpoint):
+    return tiny_checkpoint("qwen3_next", num_layers=10, num_experts=8, top_k=2)
+
+
+def test_edited_agent_sessions_re_prefill_only_after_the_deepest_anchor(hybrid, tmp_path,
+                                                                        monkeypatch):
+    import requests
+    from transformers import AutoTokenizer
+
+    from sglang_cpu import start_server
+    from test_hybrid_cpu import CACHE_25, chat_ids
+
+    monkeypatch.setenv("SGLANG_MAMBA_CONV_DTYPE", "float32")  # test_hybrid_cpu says why
+    tok = AutoTokenizer.from_pretrained(hybrid)
+    ids = [(tok.convert_tokens_to_ids(m),) for m in DEFAULT_MARKERS]
+    # one chunk per prompt: the only states inside a prompt are the anchors' own
+    base = ["--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule",
+            "--chunked-prefill-size", "4096", "--max-mamba-cache-size", "512"]
+    sessions = {}
+    for kind in ("drop_thinking", "placeholder", "last_observation"):
+        sys_msg = dict(SYSTEM, content=f"{SYSTEM['content']} {kind.replace('_', ' ')}")
+        turns = []
+        for t in range(1, 4):
+            msgs = [sys_msg, TASK] + sum((_step(i) for i in range(t)), [])
+            turns.append(chat_ids(tok, _edit(msgs, kind)))
+        sessions[kind] = turns
+
+    def gen(server, prompt):
+        r = requests.post(server.url + "/generate", json={
+            "input_ids": prompt,
+            "sampling_params": {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True},
+        }, timeout=300)
+        r.raise_for_status()
+        return r.json()
+
+    flags = base + CACHE_25 + ["--freetoken-anchor-min-distance", "1"]
+    got, sent, want_cached = {}, [], {}
+    server = start_server(hybrid, flags, log_path=str(tmp_path / "anchors.log"))
+    try:
+        # SGLang's warm-up request was admitted before these
+        before = requests.get(server.url + "/freetoken/stats", timeout=60).json()["anchors"]
+        for kind, turns in sessions.items():
+            for t, prompt in enumerate(turns):
+                want_cached[kind, t] = _restore_point(prompt, sent, ids)
+                out = gen(server, prompt)
+                got[kind, t] = out["output_ids"]
+                sent.append(prompt)
+                re_prefilled = len(prompt) - out["meta_info"]["cached_tokens"]
+                assert re_prefilled == len(prompt) - want_cached[kind, t], (kind, t)
+        stats = requests.get(server.url + "/freetoken/stats", timeout=60).json()["anchors"]
+    finally:
+        server.stop()
+    # every edited turn restored from an anchor inside the conversation, not from scratch
+    for kind in sessions:
+        assert want_cached[kind, 2] > len(chat_ids(tok, [SYSTEM, TASK]))
+    assert stats["restores"] >= len(sessions) and stats["states_evicted"] == 0
+    assert (stats["reprefill_tokens"] - before["reprefill_tokens"]
+            == sum(len(p) for p in sent) - sum(want_cached.values()))
+    assert stats["requests"] - before["requests"] == len(sent)
+
+    # two anchor states at most: the least recently used go first
+    prompt = sessions["placeholder"][1]
+    cuts = [p for p in find_markers(prompt, ids) if p > 0]
+    a1, a2, a3 = cuts[-3], cuts[-2], cuts[-1]  # the last three anchors are kept, in order
+    # (in this order: a request's own cuts pin new anchors and evict the oldest in turn)
+    edits = {"before_a3": prompt[:a3 - 1] + [40], "before_a2": prompt[:a2 - 1] + [40, 41, 42]}
+    server = start_server(hybrid, flags + ["--freetoken-anchor-states", "2"],
+                          log_path=str(tmp_path / "anchors-2.log"))
+    try:
+        gen(server, prompt)
+        small = requests.get(server.url + "/freetoken/stats", timeout=60).json()["anchors"]
+        assert small["states_held"] == 2 and small["states_evicted"] == small["states_kept"] - 2
+        # a1 is gone: an edit before a2 re-prefills from an earlier state (none here);
+        # a2 survives: an edit before a3 restores from it
+        for name, p in edits.items():
+            got[name] = gen(server, p)
+            want = 0 if name == "before_a2" else a2
+            assert got[name]["meta_info"]["cached_tokens"] == want, (name, a1, a2, a3)
+            got[name] = got[name]["output_ids"]
+    finally:
+        server.stop()
+
+    # a restored state is a correct state: the tokens of stock SGLang with no radix cache
+    prompts = {**{k: sessions[k[0]][k[1]] for k in got if isinstance(k, tuple)}, **edits}
+    server = start_server(hybrid, base + ["--disable-radix-cache"],
+                          log_path=str(tmp_path / "stock.log"))
+    try:
+        for key, out in got.items():
+            ref = gen(server, prompts[key])
+            assert ref["meta_info"]["cached_tokens"] == 0
+            assert ref["output_ids"] == out, key
+    finally:
+        server.stop()
