@@ -452,6 +452,11 @@ def _anchor_overrides(kwargs: Dict[str, Any], cfg: FreeTokenConfig) -> None:
         problems.append("they need the radix cache: drop --disable-radix-cache")
     if kwargs.get("chunked_prefill_size") == -1:
         problems.append("they end prefill chunks: drop --chunked-prefill-size -1")
+    if kwargs.get("enable_deterministic_inference"):
+        problems.append("deterministic inference aligns chunks to 4096 tokens: drop "
+                        "--enable-deterministic-inference")
+    if kwargs.get("enable_hierarchical_cache"):
+        problems.append("they are not built for HiCache: drop --enable-hierarchical-cache")
     strategy = kwargs.get("mamba_radix_cache_strategy") or "auto"
     if strategy not in ("auto", "no_buffer"):
         problems.append(

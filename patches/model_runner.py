@@ -3,7 +3,8 @@
 - ``ModelRunner.load_model`` (around): starts the FreeToken runtime before the model is
   built (so MoE layers load into the host pool), then pins the pool and allocates the GPU
   expert cache, before SGLang sizes its KV pool from the memory left. Peak GPU memory during
-  the load is measured and logged.
+  the load is measured and logged. MoE blocks with an alternate stream for their shared
+  expert are set to one stream (``_single_stream_moe_blocks``).
 - ``ModelRunner._forward_raw`` (around): records how many rows of the batch are real, on the
   device, so that captured graphs mask their padding out of the cache's recency; tells the
   runtime the forward's phase (decode, or extend: prefill and mixed batches), which starts
@@ -46,7 +47,27 @@ def load_model(original, self, *args, **kwargs):
         torch.cuda.synchronize(rt.device)
         peak = torch.cuda.max_memory_allocated(rt.device) - base
     rt.finish_load(self, load_s, peak)
+    _single_stream_moe_blocks(self.model)
     return result
+
+
+def _single_stream_moe_blocks(model) -> None:
+    """Run FreeToken MoE blocks on one stream: under graph capture SGLang's Qwen2-MoE block
+    (``Qwen2MoeSparseMoeBlock.forward_normal_dual_stream``, used by Qwen3-Next and Qwen3.5)
+    runs the routed experts on an alternate stream, where a streamed prefill's eager break
+    would end the capture segment on the wrong stream."""
+    from freetoken_sglang.moe_method import FreeTokenMoEMethod
+
+    n = 0
+    for m in model.modules():
+        experts = getattr(m, "experts", None)
+        if (getattr(m, "alt_stream", None) is not None
+                and isinstance(getattr(experts, "quant_method", None), FreeTokenMoEMethod)):
+            m.alt_stream = None
+            n += 1
+    if n:
+        logger.info("FreeToken: %d MoE blocks run their shared and routed experts on one "
+                    "stream (no alternate stream under graph capture)", n)
 
 
 def forward_raw(original, self, forward_batch, *args, **kwargs):

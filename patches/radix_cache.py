@@ -3,7 +3,9 @@ anchor states are kept (paper §3.1).
 
 - ``UnifiedRadixCache.cache_unfinished_req`` (after): when a prefill chunk or the prompt
   ended at a position the request's anchor plan keeps, the radix node SGLang just gave that
-  state (``req.last_node``) is pinned as an anchor (``anchors.states``).
+  state (``req.last_node``) is pinned as an anchor (``anchors.states``). (A request that
+  finishes in its prefill step caches through ``cache_finished_req`` and keeps no
+  prompt-end anchor.)
 - ``UnifiedRadixCache.reset`` (after): the anchors of the old tree are forgotten.
 """
 

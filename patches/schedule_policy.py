@@ -3,8 +3,8 @@ semantic anchors end prefill chunks (paper §3.1).
 
 - ``PrefillAdder.add_one_req`` (around): plans the anchors of a request being admitted
   (``anchors.plan``); when its extend would run past its next anchor cut, the chunk budget
-  (``rem_chunk_tokens``) is lowered to end the chunk exactly there, and nothing else joins
-  that prefill batch (as when SGLang's own chunk budget runs out). An admitted request's
+  (``rem_chunk_tokens``) is lowered to end the chunk exactly there, and no later request
+  joins that prefill batch (as when SGLang's own chunk budget runs out). An admitted request's
   matched-prefix state is kept as an anchor when its plan says so, and its re-prefilled
   tokens are counted.
 - ``PrefillAdder.add_chunked_req`` (around): the same cut for the next chunk of a request
@@ -14,6 +14,8 @@ semantic anchors end prefill chunks (paper §3.1).
 from __future__ import annotations
 
 from freetoken_sglang.patches import Hook
+
+COUNTED_ATTR = "_freetoken_anchor_counted"
 
 
 def _anchors():
@@ -57,7 +59,9 @@ def add_one_req(original, self, req, *args, **kwargs):
         restored = an.states.touch(node)
         if prefix_len in plan.keep and prefix_len > 0 and an.states.depth(node) == prefix_len:
             an.states.keep(node)
-        an.states.admitted(len(req.origin_input_ids) - prefix_len, restored)
+        if not getattr(req, COUNTED_ATTR, False):  # a retracted request comes back: once
+            setattr(req, COUNTED_ATTR, True)
+            an.states.admitted(len(req.full_untruncated_fill_ids) - prefix_len, restored)
     return result
 
 

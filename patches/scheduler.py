@@ -46,7 +46,15 @@ def scheduler_init(result, self, *args, **kwargs):
             f"(UnifiedRadixCache with a mamba pool), got {type(cache).__name__}; pass "
             "--freetoken-anchors off"
         )
-    an.attach(cache, pool.size, self.max_running_requests)
+    strategy = self.server_args.mamba_radix_cache_strategy
+    if strategy != "no_buffer":
+        raise RuntimeError(
+            f"--enable-freetoken: semantic anchors need --mamba-radix-cache-strategy "
+            f"no_buffer (a state at each chunk end), the server resolved {strategy}: pass "
+            "--mamba-radix-cache-strategy no_buffer --disable-overlap-schedule, or "
+            "--freetoken-anchors off"
+        )
+    an.attach(cache, pool.size, self.max_running_requests, int(self.max_total_num_tokens))
     return None
 
 

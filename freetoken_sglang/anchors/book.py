@@ -15,10 +15,15 @@ logger = logging.getLogger(__name__)
 PLAN_ATTR = "_freetoken_anchor_plan"
 
 
+def budget_bound(mamba_slots: int, max_running_requests: int) -> int:
+    """The most anchor states the mamba pool can hold: its slots less two per running request
+    (its own state and the copy a prefill chunk end inserts)."""
+    return int(mamba_slots) - 2 * int(max_running_requests)
+
+
 def default_budget(mamba_slots: int, max_running_requests: int) -> int:
-    """Anchor states kept by default: half the mamba pool's slots left after two per running
-    request (its own state and the copy a prefill chunk end inserts), at least 1."""
-    return max(1, (int(mamba_slots) - 2 * int(max_running_requests)) // 2)
+    """Anchor states kept by default: half of ``budget_bound``."""
+    return budget_bound(mamba_slots, max_running_requests) // 2
 
 
 class Anchors:
@@ -38,19 +43,34 @@ class Anchors:
     def from_tokenizer(cls, tokenizer, markers, min_distance, budget) -> "Anchors":
         return cls(markers, marker_ids(tokenizer, markers), min_distance, budget)
 
-    def attach(self, tree_cache, mamba_slots: int, max_running_requests: int) -> None:
+    def attach(self, tree_cache, mamba_slots: int, max_running_requests: int,
+               kv_tokens: int) -> None:
         """Keep anchor states in ``tree_cache`` (a ``UnifiedRadixCache`` with a mamba
-        component); the budget is the flag's or ``default_budget``; logged."""
+        component); the budget is the flag's or ``default_budget``, their KV at most half of
+        the ``kv_tokens``-token KV pool; logged.
+
+        Raises:
+            ValueError: the mamba pool cannot hold the budget (names the flags to change).
+        """
         given = self.requested_budget is not None
+        bound = budget_bound(mamba_slots, max_running_requests)
         budget = self.requested_budget if given else default_budget(
             mamba_slots, max_running_requests)
-        self.states = AnchorStates(tree_cache, budget)
+        if budget < 1 or budget > bound:
+            raise ValueError(
+                f"--enable-freetoken: {budget} anchor states do not fit the mamba pool of "
+                f"{mamba_slots} states with {max_running_requests} running requests (at most "
+                f"{bound}): lower --freetoken-anchor-states or --max-running-requests, raise "
+                "--max-mamba-cache-size, or pass --freetoken-anchors off"
+            )
+        self.states = AnchorStates(tree_cache, budget, kv_tokens // 2)
         shown = ", ".join(f"{m!r}={list(i)}" for m, i in zip(self.markers, self.ids))
         logger.info(
             "FreeToken anchors: %s; a prefill chunk ends at each (merged within %d tokens); "
-            "at most %d anchor states%s (mamba pool of %d states, %d running requests)",
+            "at most %d anchor states%s (mamba pool of %d states, %d running requests) "
+            "pinning at most %d KV tokens (half the pool)",
             shown, self.min_distance, budget, "" if given else " (default)", mamba_slots,
-            max_running_requests,
+            max_running_requests, kv_tokens // 2,
         )
 
     def positions(self, ids: Sequence[int]):

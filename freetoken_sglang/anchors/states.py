@@ -36,15 +36,21 @@ def node_depth(node) -> int:
 class AnchorStates:
     """The pinned anchor states of one ``UnifiedRadixCache`` (``cache``), at most ``budget``.
 
+    Each pin also holds the full-attention KV of the node's path, so the anchors' KV (the
+    union of their paths) is capped at ``token_cap`` tokens as well; past either bound the
+    least recently used anchor goes. Its state is freed as SGLang frees a path-capped one,
+    unless the node is a leaf or a fork, which are left to SGLang's own LRU.
+
     Counters (``snapshot``): ``states_kept`` (pinned, ever), ``states_evicted`` (unpinned by
-    the budget), ``states_held`` (pinned now), ``restores`` (admitted requests whose prefill
+    the budgets), ``states_held`` (pinned now), ``tokens_held`` (their KV), ``restores`` (admitted requests whose prefill
     started from an anchor state), and per admitted request the re-prefilled prompt tokens
     (``reprefill_tokens`` total, ``reprefill_histogram`` by ``BUCKETS``, ``last_reprefill``).
     """
 
-    def __init__(self, cache, budget: int):
+    def __init__(self, cache, budget: int, token_cap: int):
         self.cache = cache
         self.budget = int(budget)
+        self.token_cap = int(token_cap)
         # node id -> (node, its DecLockRefParams), least recently used first
         self.pinned: "OrderedDict[int, tuple]" = OrderedDict()
         self.lock = threading.Lock()
@@ -95,9 +101,21 @@ class AnchorStates:
         lock = self.cache.inc_lock_ref(node.id)
         self.pinned[node.id] = (node, lock.to_dec_params())
         self.kept += 1
-        while len(self.pinned) > self.budget:
+        while len(self.pinned) > self.budget or (
+            len(self.pinned) > 1 and self.pinned_tokens() > self.token_cap
+        ):
             self._evict_oldest()
         return True
+
+    def pinned_tokens(self) -> int:
+        """Full-attention KV tokens the anchors pin: the union of their paths."""
+        seen, total = set(), 0
+        for node, _ in self.pinned.values():
+            while node is not None and node.parent is not None and node.id not in seen:
+                seen.add(node.id)
+                total += len(node.key)
+                node = node.parent
+        return total
 
     def touch(self, ref) -> bool:
         """A request restored from the node ``ref``: an anchor's state moves to MRU (True)."""
@@ -114,7 +132,9 @@ class AnchorStates:
         self.cache.dec_lock_ref(node.id, unlock)
         core = self.cache.tree_core
         cd = node.component_data[_mamba()]
-        if cd.lock_ref == 0 and cd.value is not None:
+        # the guards of _evict_excess_path_states: a leaf or a fork is left to SGLang's LRU
+        if (cd.lock_ref == 0 and cd.value is not None and len(node.children) == 1
+                and node not in core.evictable_device_leaves):
             # as MambaComponent._evict_excess_path_states frees a state (private helpers)
             from sglang.srt.mem_cache.unified_cache.components.tree_component import EvictLayer
 
@@ -138,6 +158,7 @@ class AnchorStates:
 
     # -- counters --------------------------------------------------------------------------
     def admitted(self, reprefilled: int, restored_anchor: bool) -> None:
+        reprefilled = max(0, int(reprefilled))
         with self.lock:
             self.requests += 1
             self.reprefill_total += reprefilled
@@ -156,6 +177,8 @@ class AnchorStates:
                 "states_evicted": self.evicted,
                 "states_held": len(self.pinned),
                 "budget": self.budget,
+                "tokens_held": self.pinned_tokens(),
+                "token_cap": self.token_cap,
                 "restores": self.restores,
                 "requests": self.requests,
                 "reprefill_tokens": self.reprefill_total,
