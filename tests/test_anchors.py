@@ -52,6 +52,16 @@ def test_plan_merges_close_markers_into_the_prefix_the_cut_or_the_prompt_end():
     assert p.cuts == (60,) and p.keep == (60,)
 
 
+def test_anchor_budget_must_fit_the_mamba_pool():
+    from freetoken_sglang.anchors.book import Anchors, default_budget
+
+    assert default_budget(64, 8) == 24
+    with pytest.raises(ValueError, match="do not fit the mamba pool of 64 states .*at most 48"):
+        Anchors(["<a>"], [(1,)], 32, 49).attach(object(), 64, 8, 1000)
+    with pytest.raises(ValueError, match="lower --freetoken-anchor-states"):
+        Anchors(["<a>"], [(1,)], 32, None).attach(object(), 16, 8, 1000)
+
+
 def test_anchor_flags():
     cfg = ft.pop_config({"enable_freetoken": True})
     assert cfg.anchors is None and cfg.anchor_min_distance == 32
@@ -88,6 +98,9 @@ def test_anchor_server_args(tiny_checkpoint):
          "need --mamba-radix-cache-strategy no_buffer .*not extra_buffer"),
         (hybrid, {"disable_radix_cache": True}, "drop --disable-radix-cache"),
         (hybrid, {"chunked_prefill_size": -1}, "drop --chunked-prefill-size -1"),
+        (hybrid, {"enable_deterministic_inference": True},
+         "drop --enable-deterministic-inference"),
+        (hybrid, {"enable_hierarchical_cache": True}, "drop --enable-hierarchical-cache"),
     ]:
         with pytest.raises(ValueError, match=needle + ".*--freetoken-anchors off|" + needle):
             ft.apply_server_args_overrides({"model_path": model, "device": "cpu", **extra}, on)
