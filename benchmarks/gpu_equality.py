@@ -30,7 +30,7 @@ def _best_two(top):
     return vals + [float("nan")] * (2 - len(vals))
 
 
-def run(model_path, new_tokens, extra):
+def run(model_path, new_tokens, extra, freetoken=True):
     import sglang as sgl
 
     t0 = time.time()
@@ -58,7 +58,7 @@ def run(model_path, new_tokens, extra):
         ])
     batch = [o["output_ids"] for o in llm.generate(input_ids=PROMPTS, sampling_params=sp)]
     stats = None
-    if extra:
+    if freetoken:
         doc = llm.get_server_info()["internal_states"][0]["freetoken"]
         stats = dict(doc["total"], prefill_stream=doc.get("prefill_stream"),
                      cache=doc.get("cache"))
@@ -101,6 +101,9 @@ def main():
                          "borrowed), waves (a cache smaller than two layers), anchors_off "
                          "(hybrid families: no semantic anchors); a comma list, lru,reserved,"
                          "waves when bare")
+    ap.add_argument("--stock-args", default="{}",
+                    help="JSON of extra sglang.Engine keywords for stock SGLang, e.g. "
+                         "'{\"disable_shared_experts_fusion\": true}' (FreeToken sets it)")
     a = ap.parse_args()
     from freetoken_sglang.tiny_models import TinyShape, build_tiny_checkpoint
 
@@ -116,7 +119,7 @@ def main():
     for p in policies:
         if p not in ("fill", "qstar", "cpu"):
             raise SystemExit(f"--miss-policies: unknown policy {p!r} (choose from fill, qstar, cpu)")
-    stock = run(path, a.new_tokens, {})
+    stock = run(path, a.new_tokens, json.loads(a.stock_args), freetoken=False)
     results, full = [], {"stock": stock}
     runs = [(p, {}) for p in policies]
     checks = {"lru": {"freetoken_prefill": "lru"},
