@@ -39,13 +39,6 @@ def _glm4_moe_layers(cfg) -> List[int]:
     ]
 
 
-def _qwen_sparse_step_layers(cfg) -> List[int]:
-    # Qwen3-Next and Qwen3.5-MoE build Qwen2MoeSparseMoeBlock in every decoder layer
-    # (Qwen3HybridLinearDecoderLayer / Qwen3_5LinearDecoderLayer set is_layer_sparse = True
-    # unconditionally in SGLang 0.5.17); mlp_only_layers and decoder_sparse_step are ignored.
-    return list(range(cfg.num_hidden_layers))
-
-
 def _num_experts(cfg) -> int:
     for name in ("n_routed_experts", "num_experts", "num_local_experts"):
         value = getattr(cfg, name, None)
@@ -65,10 +58,12 @@ SUPPORTED: Dict[str, tuple] = {
     "DeepseekV2ForCausalLM": ("DeepSeek-V2", _deepseek_layers),
     "DeepseekV3ForCausalLM": ("DeepSeek-V3", _deepseek_layers),
     "Glm4MoeForCausalLM": ("GLM-4-MoE", _glm4_moe_layers),
-    # Hybrid: gated DeltaNet layers interleaved with full attention (HYBRID below).
-    "Qwen3NextForCausalLM": ("Qwen3-Next", _qwen_sparse_step_layers),
-    "Qwen3_5MoeForCausalLM": ("Qwen3.5-MoE", _qwen_sparse_step_layers),
-    "Qwen3_5MoeForConditionalGeneration": ("Qwen3.5-MoE", _qwen_sparse_step_layers),
+    # Hybrid: gated DeltaNet layers interleaved with full attention (HYBRID below). Every
+    # layer builds Qwen2MoeSparseMoeBlock (Qwen3HybridLinearDecoderLayer /
+    # Qwen3_5LinearDecoderLayer set is_layer_sparse = True unconditionally).
+    "Qwen3NextForCausalLM": ("Qwen3-Next", _all_layers),
+    "Qwen3_5MoeForCausalLM": ("Qwen3.5-MoE", _all_layers),
+    "Qwen3_5MoeForConditionalGeneration": ("Qwen3.5-MoE", _all_layers),
 }
 
 # Families whose recurrent layers keep a state per request (SGLang's hybrid machinery:

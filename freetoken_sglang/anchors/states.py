@@ -10,7 +10,6 @@ recently used anchor is unpinned and its state freed, as SGLang frees a path-cap
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict, defaultdict
 from typing import Dict, List, Optional
 
@@ -53,7 +52,6 @@ class AnchorStates:
         self.token_cap = int(token_cap)
         # node id -> (node, its DecLockRefParams), least recently used first
         self.pinned: "OrderedDict[int, tuple]" = OrderedDict()
-        self.lock = threading.Lock()
         self.kept = 0
         self.evicted = 0
         self.restores = 0
@@ -159,29 +157,28 @@ class AnchorStates:
     # -- counters --------------------------------------------------------------------------
     def admitted(self, reprefilled: int, restored_anchor: bool) -> None:
         reprefilled = max(0, int(reprefilled))
-        with self.lock:
-            self.requests += 1
-            self.reprefill_total += reprefilled
-            self.last_reprefill = reprefilled
-            self.restores += int(restored_anchor)
-            i = 0
-            while i < len(BUCKETS) and reprefilled > BUCKETS[i]:
-                i += 1
-            self.hist[i] += 1
+        self.requests += 1
+        self.reprefill_total += reprefilled
+        self.last_reprefill = reprefilled
+        self.restores += int(restored_anchor)
+        i = 0
+        while i < len(BUCKETS) and reprefilled > BUCKETS[i]:
+            i += 1
+        self.hist[i] += 1
 
     def snapshot(self) -> Dict[str, object]:
-        with self.lock:
-            labels: List[str] = [f"<={b}" for b in BUCKETS] + [f">{BUCKETS[-1]}"]
-            return {
-                "states_kept": self.kept,
-                "states_evicted": self.evicted,
-                "states_held": len(self.pinned),
-                "budget": self.budget,
-                "tokens_held": self.pinned_tokens(),
-                "token_cap": self.token_cap,
-                "restores": self.restores,
-                "requests": self.requests,
-                "reprefill_tokens": self.reprefill_total,
-                "last_reprefill": self.last_reprefill,
-                "reprefill_histogram": dict(zip(labels, self.hist)),
-            }
+        """The counters (read on the scheduler thread, which also keeps them)."""
+        labels: List[str] = [f"<={b}" for b in BUCKETS] + [f">{BUCKETS[-1]}"]
+        return {
+            "states_kept": self.kept,
+            "states_evicted": self.evicted,
+            "states_held": len(self.pinned),
+            "budget": self.budget,
+            "tokens_held": self.pinned_tokens(),
+            "token_cap": self.token_cap,
+            "restores": self.restores,
+            "requests": self.requests,
+            "reprefill_tokens": self.reprefill_total,
+            "last_reprefill": self.last_reprefill,
+            "reprefill_histogram": dict(zip(labels, self.hist)),
+        }
