@@ -230,6 +230,19 @@ class FreeTokenConfig:
         ),
     )
 
+    anchor_cuts: str = field(
+        default="auto",
+        metadata=dict(
+            type=_choice("auto", "on", "off"),
+            help="Whether anchors end prefill chunks. on: the state at each anchor exists "
+            "exactly, and each extra chunk costs one more prefill forward (with streamed "
+            "prefill one more pass over the host pool). off: anchors pin the states SGLang "
+            "keeps anyway (the matched prefix and the prompt end, each when a marker lies "
+            "within --freetoken-anchor-min-distance) and end no chunk. auto (default): off "
+            "when prefill streams experts, on when every expert is on the GPU.",
+        ),
+    )
+
     record_routing: Optional[str] = field(
         default=None,
         metadata=dict(
@@ -363,21 +376,21 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
                     problems.append(
                         f"{cli_name(name)} has no effect with --freetoken-prefill lru"
                     )
-        if cfg.anchors == "off":
-            for name in ("anchor_tokens", "anchor_states", "anchor_min_distance"):
-                if name in given:
-                    problems.append(f"{cli_name(name)} has no effect with --freetoken-anchors off")
-        if cfg.anchor_tokens:
-            from freetoken_sglang.anchors.markers import parse_markers
-
-            try:
-                parse_markers(cfg.anchor_tokens)
-            except ValueError as e:
-                problems.append(str(e))
         if sizes and "kv_reserve_gb" in given:
             problems.append(
                 "--freetoken-kv-reserve-gb applies only without a cache-size flag"
             )
+    if cfg.anchors == "off":
+        for name in ANCHOR_FLAGS:
+            if name in given:
+                problems.append(f"{cli_name(name)} has no effect with --freetoken-anchors off")
+    if cfg.anchor_tokens:
+        from freetoken_sglang.anchors.markers import parse_markers
+
+        try:
+            parse_markers(cfg.anchor_tokens)
+        except ValueError as e:
+            problems.append(str(e))
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -429,6 +442,10 @@ def _is_hybrid_checkpoint(kwargs: Dict[str, Any]) -> Optional[bool]:
         return None  # unreadable or unsupported: the later checks name it
 
 
+# The flags that tune semantic anchors (each needs anchors to be on).
+ANCHOR_FLAGS = ("anchor_tokens", "anchor_states", "anchor_min_distance", "anchor_cuts")
+
+
 def _anchor_overrides(kwargs: Dict[str, Any], cfg: FreeTokenConfig) -> None:
     """The ServerArgs semantic anchors need: SGLang's ``no_buffer`` hybrid cache strategy,
     which keeps a recurrent state at every prefill chunk end (``extra_buffer`` keeps states
@@ -439,10 +456,14 @@ def _anchor_overrides(kwargs: Dict[str, Any], cfg: FreeTokenConfig) -> None:
     """
     hybrid = _is_hybrid_checkpoint(kwargs)
     if not hybrid:
-        if cfg.anchors == "on" and hybrid is False:
+        defaults = FreeTokenConfig()
+        tuned = [n for n in ("anchors",) + ANCHOR_FLAGS
+                 if n != "anchors" or cfg.anchors == "on"
+                 if getattr(cfg, n) != getattr(defaults, n)]
+        if tuned and hybrid is False:
             raise ValueError(
-                "--freetoken-anchors on applies to hybrid models (Qwen3-Next, Qwen3.5-MoE) "
-                "only: drop it"
+                f"{', '.join(cli_name(n) for n in tuned)} applies to hybrid models "
+                "(Qwen3-Next, Qwen3.5-MoE) only: drop it"
             )
         return
     if cfg.anchors == "off":
@@ -450,11 +471,13 @@ def _anchor_overrides(kwargs: Dict[str, Any], cfg: FreeTokenConfig) -> None:
     problems = []
     if kwargs.get("disable_radix_cache"):
         problems.append("they need the radix cache: drop --disable-radix-cache")
-    if kwargs.get("chunked_prefill_size") == -1:
-        problems.append("they end prefill chunks: drop --chunked-prefill-size -1")
-    if kwargs.get("enable_deterministic_inference"):
+    cuts = cfg.anchor_cuts != "off"  # auto is resolved at scheduler start
+    if cuts and kwargs.get("chunked_prefill_size") == -1:
+        problems.append("they end prefill chunks: drop --chunked-prefill-size -1, or pass "
+                        "--freetoken-anchor-cuts off")
+    if cuts and kwargs.get("enable_deterministic_inference"):
         problems.append("deterministic inference aligns chunks to 4096 tokens: drop "
-                        "--enable-deterministic-inference")
+                        "--enable-deterministic-inference, or pass --freetoken-anchor-cuts off")
     if kwargs.get("enable_hierarchical_cache"):
         problems.append("they are not built for HiCache: drop --enable-hierarchical-cache")
     strategy = kwargs.get("mamba_radix_cache_strategy") or "auto"

@@ -107,7 +107,7 @@ class FreeTokenRuntime:
 
             self.anchors = Anchors.from_tokenizer(
                 _tokenizer(self.server_args), config.anchor_marker_list(),
-                config.anchor_min_distance, config.anchor_states,
+                config.anchor_min_distance, config.anchor_states, config.anchor_cuts,
             )
 
     # ---- model build --------------------------------------------------------------------

@@ -52,19 +52,39 @@ def test_plan_merges_close_markers_into_the_prefix_the_cut_or_the_prompt_end():
     assert p.cuts == (60,) and p.keep == (60,)
 
 
+def test_plan_without_cuts_keeps_only_the_prefix_and_the_prompt_end_near_markers():
+    positions = [103, 105, 140, 142, 145, 200, 201, 203]
+    p = plan(positions, prefix_len=100, prompt_len=206, min_distance=32, cuts_on=False)
+    assert p.cuts == () and p.keep == (100, 206)
+    # markers far from both ends: nothing kept; no prefix: the prompt end alone
+    assert plan([150], 100, 206, 32, cuts_on=False).keep == ()
+    assert plan([2, 190], 0, 206, 32, cuts_on=False).keep == (206,)
+
+
+def test_anchor_cuts_follow_the_mode_and_where_the_experts_are():
+    from freetoken_sglang.anchors.book import cuts_enabled
+
+    assert cuts_enabled("auto", experts_on_gpu=True)
+    assert not cuts_enabled("auto", experts_on_gpu=False)
+    assert cuts_enabled("on", experts_on_gpu=False)
+    assert not cuts_enabled("off", experts_on_gpu=True)
+    with pytest.raises(ValueError, match="choose auto, on or off"):
+        cuts_enabled("sometimes", experts_on_gpu=True)
+
+
 def test_anchor_budget_must_fit_the_mamba_pool():
     from freetoken_sglang.anchors.book import Anchors, default_budget
 
     assert default_budget(64, 8) == 24
     with pytest.raises(ValueError, match="do not fit the mamba pool of 64 states .*at most 48"):
-        Anchors(["<a>"], [(1,)], 32, 49).attach(object(), 64, 8, 1000)
+        Anchors(["<a>"], [(1,)], 32, 49).attach(object(), 64, 8, 1000, experts_on_gpu=False)
     with pytest.raises(ValueError, match="lower --freetoken-anchor-states"):
-        Anchors(["<a>"], [(1,)], 32, None).attach(object(), 16, 8, 1000)
+        Anchors(["<a>"], [(1,)], 32, None).attach(object(), 16, 8, 1000, experts_on_gpu=False)
 
 
 def test_anchor_flags():
     cfg = ft.pop_config({"enable_freetoken": True})
-    assert cfg.anchors is None and cfg.anchor_min_distance == 32
+    assert cfg.anchors is None and cfg.anchor_min_distance == 32 and cfg.anchor_cuts == "auto"
     assert cfg.anchors_enabled(hybrid=True) and not cfg.anchors_enabled(hybrid=False)
     assert cfg.anchor_marker_list() == DEFAULT_MARKERS
     cfg = ft.pop_config({"enable_freetoken": True, "freetoken_anchor_tokens": "<a>,<b>",
@@ -75,6 +95,11 @@ def test_anchor_flags():
     for kw, needle in [
         ({"freetoken_anchors": "off", "freetoken_anchor_states": 4},
          "--freetoken-anchor-states has no effect with --freetoken-anchors off"),
+        ({"freetoken_anchors": "off", "freetoken_anchor_cuts": "on"},
+         "--freetoken-anchor-cuts has no effect with --freetoken-anchors off"),
+        ({"freetoken_backend": "cpu", "freetoken_anchors": "off", "freetoken_anchor_cuts": "on"},
+         "--freetoken-anchor-cuts has no effect with --freetoken-anchors off"),
+        ({"freetoken_backend": "cpu", "freetoken_anchor_tokens": ","}, "non-empty markers"),
         ({"freetoken_anchor_tokens": ","}, "non-empty markers"),
         ({"freetoken_anchors": "maybe"}, "invalid choice 'maybe'"),
     ]:
@@ -108,6 +133,14 @@ def test_anchor_server_args(tiny_checkpoint):
     kw = ft.apply_server_args_overrides(
         {"model_path": hybrid, "device": "cpu", "disable_radix_cache": True}, off)
     assert "mamba_radix_cache_strategy" not in kw
+    # an anchor flag on a non-hybrid model is refused, not dropped
+    cuts = ft.pop_config({"enable_freetoken": True, "freetoken_anchor_cuts": "off"})
+    with pytest.raises(ValueError, match="--freetoken-anchor-cuts applies to hybrid models"):
+        ft.apply_server_args_overrides({"model_path": dense, "device": "cpu"}, cuts)
+    # without cuts, anchors end no chunk: one-chunk prefill is allowed
+    kw = ft.apply_server_args_overrides(
+        {"model_path": hybrid, "device": "cpu", "chunked_prefill_size": -1}, cuts)
+    assert kw["mamba_radix_cache_strategy"] == "no_buffer"
 
 
 # ---- end to end on the CPU-run SGLang (tiny Qwen3-Next, 25% cache) ------------------------
@@ -194,7 +227,8 @@ def test_edited_agent_sessions_re_prefill_only_after_the_deepest_anchor(hybrid, 
         r.raise_for_status()
         return r.json()
 
-    flags = base + CACHE_25 + ["--freetoken-anchor-min-distance", "1"]
+    flags = base + CACHE_25 + ["--freetoken-anchor-min-distance", "1",
+                               "--freetoken-anchor-cuts", "on"]
     got, sent, want_cached = {}, [], {}
     server = start_server(hybrid, flags, log_path=str(tmp_path / "anchors.log"))
     try:

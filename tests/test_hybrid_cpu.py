@@ -91,9 +91,13 @@ def test_hybrid_freetoken_matches_stock_and_transformers(tiny_checkpoint, family
     ckpt = tiny_checkpoint(family, **HYBRID_SHAPE)
     prompts = _prompts(AutoTokenizer.from_pretrained(ckpt))
     want, turn2, _, _ = _serve(ckpt, HYBRID_CPU, prompts, str(tmp_path / "stock.log"))
+    # Anchors on: Qwen3-Next with a chunk cut at each anchor; Qwen3.5-MoE with the default
+    # (cuts auto: off, since at 25% prefill streams), which only pins states.
+    cuts = "on" if family == "qwen3_next" else "auto"
     for anchors in ("on", "off"):
         got, _, stats, log = _serve(
-            ckpt, HYBRID_CPU + CACHE_25 + ["--freetoken-anchors", anchors], prompts,
+            ckpt, HYBRID_CPU + CACHE_25 + (["--freetoken-anchor-cuts", cuts] if anchors == "on"
+                                           else ["--freetoken-anchors", "off"]), prompts,
             str(tmp_path / f"freetoken-anchors-{anchors}.log"))
         assert got == want, f"{family} anchors {anchors}"
         assert stats["cache"]["slots"] == stats["pool"]["experts"] // 4
@@ -105,6 +109,7 @@ def test_hybrid_freetoken_matches_stock_and_transformers(tiny_checkpoint, family
             # the agent turn kept anchor states; its edited copy restored from one
             assert a["states_kept"] >= 2 and a["restores"] >= 1
             assert a["requests"] >= len(prompts) + 1
+            assert a["cuts"] is (cuts == "on")
         else:
             assert stats["anchors"] is None and "FreeToken anchors" not in log
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()

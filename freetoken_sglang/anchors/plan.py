@@ -22,14 +22,24 @@ class AnchorPlan:
 
 
 def plan(positions: Sequence[int], prefix_len: int, prompt_len: int,
-         min_distance: int) -> AnchorPlan:
+         min_distance: int, cuts_on: bool = True) -> AnchorPlan:
     """The plan of a request whose matched prefix is ``prefix_len`` tokens of a
     ``prompt_len``-token prompt with marker positions ``positions`` (``markers.find_markers``).
 
     Walking the markers beyond the prefix, one closer than ``min_distance`` to the last kept
     position (the prefix itself to begin with) is merged into it; one closer than that to
-    the prompt end keeps the prompt end instead; every other one is a cut.
+    the prompt end keeps the prompt end instead; every other one is a cut. With ``cuts_on``
+    False there are no cuts: only the prefix and the prompt end are kept, each when a marker
+    lies within ``min_distance`` of it (after the prefix, before the prompt end).
     """
+    if not cuts_on:
+        inside = [p for p in positions if prefix_len <= p < prompt_len]
+        keep = set()
+        if prefix_len > 0 and any(p - prefix_len < min_distance for p in inside):
+            keep.add(prefix_len)
+        if any(prompt_len - p < min_distance for p in inside):
+            keep.add(prompt_len)
+        return AnchorPlan((), tuple(sorted(keep)))
     cuts, keep = [], set()
     last = prefix_len
     for p in sorted(positions):
