@@ -81,7 +81,8 @@ def expert_pool_gib(model_path: str) -> float:
     cfg = AutoConfig.from_pretrained(model_path)
     dtype = getattr(cfg, "torch_dtype", None) or getattr(cfg, "dtype", None) or "bfloat16"
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    specs = bank_specs_for_layer(cfg.hidden_size, families.expert_intermediate_size(cfg), dtype)
+    specs = bank_specs_for_layer(families.text_config(cfg).hidden_size,
+                                 families.expert_intermediate_size(cfg), dtype)
     n = len(families.moe_layer_ids(cfg)) * families.num_routed_experts(cfg)
     return n * sum(s.row_bytes for s in specs.values()) / GIB
 

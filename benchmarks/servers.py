@@ -69,7 +69,99 @@ SHAPES = {
         "use_sliding_window": False,
         "sliding_window": None,
     },
+    # Qwen3.6-35B-A3B (config of Qwen/Qwen3.6-35B-A3B, the paper's main model): a hybrid of
+    # 30 gated-DeltaNet and 10 full-attention layers, 256 experts, top-8, one shared expert,
+    # with its vision tower (dummy weights). The tokenizer is the tiny models' (see
+    # write_tokenizer), with a Qwen3-VL processor around it.
+    "qwen3.6-35b-a3b": {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "image_token_id": 248056,
+        "video_token_id": 248057,
+        "vision_start_token_id": 248053,
+        "vision_end_token_id": 248054,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "text_config": {
+            "model_type": "qwen3_5_moe_text",
+            "hidden_size": 2048,
+            "num_hidden_layers": 40,
+            "full_attention_interval": 4,
+            "layer_types": ["linear_attention", "linear_attention", "linear_attention",
+                            "full_attention"] * 10,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "attn_output_gate": True,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 256,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+            "router_aux_loss_coef": 0.001,
+            "output_router_logits": False,
+            "vocab_size": 248320,
+            "max_position_embeddings": 262144,
+            "rms_norm_eps": 1e-6,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "partial_rotary_factor": 0.25,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                                "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                                "mrope_section": [11, 11, 10]},
+            "tie_word_embeddings": False,
+            "eos_token_id": 248044,
+            "torch_dtype": "bfloat16",
+        },
+        "vision_config": {
+            "model_type": "qwen3_5_moe",
+            "depth": 27,
+            "hidden_size": 1152,
+            "hidden_act": "gelu_pytorch_tanh",
+            "intermediate_size": 4304,
+            "num_heads": 16,
+            "in_channels": 3,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": 2048,
+            "num_position_embeddings": 2304,
+            "deepstack_visual_indexes": [],
+            "initializer_range": 0.02,
+        },
+    },
 }
+
+
+def write_tokenizer(shape: str, out_dir: str) -> str:
+    """A tokenizer directory for a dummy-weight shape: the tiny models' BPE and chat template
+    (its vocabulary is far smaller than the shape's; the anchor markers are special tokens of
+    it), plus a Qwen3-VL processor for a shape with a vision tower (SGLang loads a processor
+    for multimodal architectures). Returns the directory."""
+    from freetoken_sglang.tiny_models import build_tiny_checkpoint
+
+    cfg = SHAPES[shape]
+    family = "qwen3_5_moe" if "text_config" in cfg else "qwen3_moe"
+    path = build_tiny_checkpoint(family, out_dir)
+    if "vision_config" in cfg:
+        from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor
+        from transformers import Qwen3VLVideoProcessor
+
+        tok = AutoTokenizer.from_pretrained(path)
+        v = cfg["vision_config"]
+        Qwen3VLProcessor(
+            image_processor=Qwen2VLImageProcessor(patch_size=v["patch_size"],
+                                                  merge_size=v["spatial_merge_size"],
+                                                  temporal_patch_size=v["temporal_patch_size"]),
+            tokenizer=tok, video_processor=Qwen3VLVideoProcessor(),
+            chat_template=tok.chat_template,
+        ).save_pretrained(path)
+    return path
 
 
 def write_shape(name: str, root: str) -> str:

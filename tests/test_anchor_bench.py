@@ -1,0 +1,59 @@
+"""benchmarks/anchor_bench.py's accounting: the true new suffix, edited turns, the re-prefill
+ratio and the anchor cuts it reports (no server)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import anchor_bench as ab  # noqa: E402
+
+
+def test_suffix_edited_turns_and_ratios(tiny_checkpoint, monkeypatch):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint("qwen3_5_moe"))
+    im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    p0 = [im_start, 10, 11, 12, im_end]
+    p1 = p0 + [20, 21, 22]  # extends p0: suffix 3
+    p2 = [im_start, 10, 11, 99, im_end, 20, 21, 22, 30]  # edited at 3: suffix 6
+    p3 = p2 + [40]  # suffix 1
+    prompts = [p0, p1, p2, p3]
+    monkeypatch.setattr(ab.wl, "render_ids", lambda tokenizer, request: request)
+    reprefill = [5, 3, 9, 1]  # p2 re-prefilled from scratch
+    recs = [{"prompt_tokens": len(p), "cached_tokens": len(p) - n, "prefill_tokens": n,
+             "ttft_s": t} for p, n, t in zip(prompts, reprefill, (0.9, 0.2, 0.5, 0.3))]
+    ab.annotate(recs, prompts, tok, min_distance=1, cuts_on=True)
+    assert [r["suffix"] for r in recs] == [5, 3, 6, 1]
+    assert [r["edited"] for r in recs] == [False, False, True, False]
+    assert [r["cuts"] for r in recs] == [1, 0, 1, 0]  # at the im_end 4 tokens in
+    m = ab.summarize_session(recs)
+    assert (m["edited"], m["edited_reprefill"], m["edited_suffix"]) == (1, 9, 6)
+    assert m["edited_ratio"] == 1.5 and m["all_ratio"] == 18 / 15
+    assert m["worst_turn_ratio"] == 1.5 and m["cuts"] == 2 and m["mismatched"] == 0
+    assert m["worst_ttft_s"] == 0.9 and m["steady_worst_ttft_s"] == 0.5
+    assert m["steady_median_ttft_s"] == 0.4
+    # without cuts no chunk ends; a prompt the server counted differently is flagged
+    recs[3]["prompt_tokens"] += 1
+    ab.annotate(recs, prompts, tok, min_distance=1, cuts_on=False)
+    assert [r["cuts"] for r in recs] == [0, 0, 0, 0]
+    assert ab.summarize_session(recs)["mismatched"] == 1
+
+
+def test_system_flags():
+    import pytest
+
+    assert ab.system_flags("stock", 0.25) == []
+    assert ab.system_flags("ft-anchors", 0.25) == ["--enable-freetoken",
+                                                   "--freetoken-cache-ratio", "0.25"]
+    assert "off" in ab.system_flags("ft-anchors-off", 0.25)
+    with pytest.raises(SystemExit, match="unknown system 'ft-x'"):
+        ab.system_flags("ft-x", 0.25)
+    assert "no_buffer" in ab.system_flags("stock-no-buffer", 0.25)
+    assert ab.system_flags("ft-anchors-cuts", 0.25)[-2:] == ["--freetoken-anchor-cuts", "on"]
+    assert ab.system_flags("ft-anchors-d64", 0.25)[-1] == "64"
+    assert ab.anchor_distance("ft-anchors-d64") == 64 and ab.anchor_distance("stock") is None
