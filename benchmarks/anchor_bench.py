@@ -158,7 +158,7 @@ def run_sessions(url: str, label: str, sessions, scale: float, decode_cap: Optio
         recs = serve_bench.run_session(client, model, reqs, None, True, label)
         wall = time.perf_counter() - t0
         after = serve_bench.freetoken_stats(url)
-        cuts_on = bool(((after or {}).get("anchors") or {}).get("cuts", True))
+        cuts_on = ((after or {}).get("anchors") or {}).get("cuts", "on") in ("on", True)
         annotate(recs, reqs, tokenizer, anchor_distance(label), cuts_on)
         summ = summarize_session(recs)
         summ["wall_s"] = wall

@@ -196,9 +196,9 @@ class FreeTokenConfig:
         default=None,
         metadata=dict(
             type=_choice("on", "off"),
-            help="Semantic anchors (hybrid models): a prefill chunk ends at each thinking, "
-            "tool-call, tool-output and turn marker so that the recurrent state there is "
-            "kept, with its own budget, and a later turn edited after it restores from it. "
+            help="Semantic anchors (hybrid models): the recurrent state at each thinking, "
+            "tool-call, tool-output and turn marker is kept (see --freetoken-anchor-cuts for "
+            "how), with its own budget, and a later turn edited after it restores from it. "
             "Default: on for hybrid models (it sets --mamba-radix-cache-strategy no_buffer); "
             "off turns it off.",
         ),
@@ -233,13 +233,14 @@ class FreeTokenConfig:
     anchor_cuts: str = field(
         default="auto",
         metadata=dict(
-            type=_choice("auto", "on", "off"),
-            help="Whether anchors end prefill chunks. on: the state at each anchor exists "
-            "exactly, and each extra chunk costs one more prefill forward (with streamed "
-            "prefill one more pass over the host pool). off: anchors pin the states SGLang "
-            "keeps anyway (the matched prefix and the prompt end, each when a marker lies "
-            "within --freetoken-anchor-min-distance) and end no chunk. auto (default): off "
-            "when prefill streams experts, on when every expert is on the GPU.",
+            type=_choice("auto", "on", "inside", "off"),
+            help="How anchors keep the exact state at each marker. on: a prefill chunk ends "
+            "there (one more prefill forward per anchor; with streamed prefill one more pass "
+            "over the host pool). inside: the recurrent layers replay their inputs up to each "
+            "anchor inside the forward, and no chunk ends there. off: no state of their own; "
+            "anchors pin the states SGLang keeps anyway (the matched prefix and the prompt "
+            "end, each when a marker lies within --freetoken-anchor-min-distance). auto "
+            "(default): on when every routed expert is on the GPU, else inside.",
         ),
     )
 
@@ -471,13 +472,13 @@ def _anchor_overrides(kwargs: Dict[str, Any], cfg: FreeTokenConfig) -> None:
     problems = []
     if kwargs.get("disable_radix_cache"):
         problems.append("they need the radix cache: drop --disable-radix-cache")
-    cuts = cfg.anchor_cuts != "off"  # auto is resolved at scheduler start
+    cuts = cfg.anchor_cuts in ("on", "auto")  # auto is resolved at scheduler start
     if cuts and kwargs.get("chunked_prefill_size") == -1:
         problems.append("they end prefill chunks: drop --chunked-prefill-size -1, or pass "
-                        "--freetoken-anchor-cuts off")
+                        "--freetoken-anchor-cuts inside")
     if cuts and kwargs.get("enable_deterministic_inference"):
         problems.append("deterministic inference aligns chunks to 4096 tokens: drop "
-                        "--enable-deterministic-inference, or pass --freetoken-anchor-cuts off")
+                        "--enable-deterministic-inference, or pass --freetoken-anchor-cuts inside")
     if kwargs.get("enable_hierarchical_cache"):
         problems.append("they are not built for HiCache: drop --enable-hierarchical-cache")
     strategy = kwargs.get("mamba_radix_cache_strategy") or "auto"

@@ -26,6 +26,7 @@ def all_hooks() -> List[Hook]:
     """Every hook of every patch module, in registration order."""
     from freetoken_sglang.patches import (
         cuda_graph,
+        gdn_backend,
         http_server,
         model_loader,
         model_runner,
@@ -46,6 +47,7 @@ def all_hooks() -> List[Hook]:
         scheduler,
         schedule_policy,
         radix_cache,
+        gdn_backend,
         http_server,
     ):
         hooks.extend(module.HOOKS)

@@ -1,11 +1,13 @@
 """Hooks into SGLang 0.5.17's hybrid radix cache (``sglang.srt.mem_cache.unified_radix_cache``):
 anchor states are kept (paper §3.1).
 
-- ``UnifiedRadixCache.cache_unfinished_req`` (after): when a prefill chunk or the prompt
-  ended at a position the request's anchor plan keeps, the radix node SGLang just gave that
-  state (``req.last_node``) is pinned as an anchor (``anchors.states``). (A request that
-  finishes in its prefill step caches through ``cache_finished_req`` and keeps no
-  prompt-end anchor.)
+- ``UnifiedRadixCache.cache_unfinished_req`` (around): first the anchor states the request
+  took inside its forward enter the tree as if chunks had ended there
+  (``anchors.inside.insert``); then, when a prefill chunk or the prompt ended at a position
+  the request's anchor plan keeps, the radix node SGLang just gave that state
+  (``req.last_node``) is pinned as an anchor (``anchors.states``). Both pin.
+- ``UnifiedRadixCache.cache_finished_req`` (before): a request that finishes in its prefill
+  step keeps no prompt-end anchor, and the slots of the states it took are freed.
 - ``UnifiedRadixCache.reset`` (after): the anchors of the old tree are forgotten.
 """
 
@@ -24,16 +26,24 @@ def _anchors_of(cache):
     return an
 
 
-def cache_unfinished_req(result, self, req, *args, **kwargs):
-    from freetoken_sglang.anchors.book import PLAN_ATTR
-
+def cache_unfinished_req(original, self, req, *args, **kwargs):
     an = _anchors_of(self)
-    plan = getattr(req, PLAN_ATTR, None)
-    if an is None or plan is None:
-        return None
-    pos = len(req.get_fill_ids())
-    if pos in plan.keep and an.states.depth(req.last_node) == pos:
-        an.states.keep(req.last_node)
+    if an is None:
+        return original(self, req, *args, **kwargs)
+    from freetoken_sglang.anchors import inside
+
+    inside.insert(self, original, req, an.linear_layers, an)  # states taken inside the forward
+    result = original(self, req, *args, **kwargs)
+    an.keep_if_planned(req, len(req.get_fill_ids()))
+    return result
+
+
+def cache_finished_req(self, req, *args, **kwargs):
+    an = _anchors_of(self)
+    if an is not None:
+        from freetoken_sglang.anchors import inside
+
+        inside.release(req, self.req_to_token_pool)
     return None
 
 
@@ -46,6 +56,8 @@ def reset(result, self, *args, **kwargs):
 
 HOOKS = [
     Hook("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.cache_unfinished_req",
-         cache_unfinished_req, "after"),
+         cache_unfinished_req, "around"),
+    Hook("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.cache_finished_req",
+         cache_finished_req, "before"),
     Hook("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.reset", reset, "after"),
 ]

@@ -33,8 +33,8 @@ def _with_cut(adder, req, plan, run):
     saved = adder.rem_chunk_tokens
     done = len(req.prefix_indices)
     cut = next_cut(plan.cuts, done)
-    if saved is None or cut is None or cut - done >= saved:
-        return run()
+    if not _anchors().ends_chunks or saved is None or cut is None or cut - done >= saved:
+        return run()  # (anchors inside the forward take their states without a cut)
     adder.rem_chunk_tokens = cut - done
     try:
         result = run()

@@ -6,6 +6,8 @@
 - ``scheduler.Scheduler.__init__`` (after): gives the semantic anchors (hybrid models) the
   scheduler's radix cache and sizes their state budget from its mamba pool
   (``anchors.book.Anchors.attach``).
+- ``scheduler.Scheduler.run_batch`` (around): an extend whose anchors take their states
+  inside the forward reserves their mamba slots first (``anchors.inside.reserve``).
 - ``scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats``
   (after): on the steps SGLang logs decode stats, logs the cache's hit rate and counts.
 """
@@ -59,8 +61,28 @@ def scheduler_init(result, self, *args, **kwargs):
     choice = rt.choice  # set when the model loaded (FreeTokenRuntime.finish_load)
     on_gpu = choice.backend == "gpu" and choice.layout_kind == RESIDENT
     an.attach(cache, pool.size, self.max_running_requests, int(self.max_total_num_tokens),
-              experts_on_gpu=on_gpu)
+              experts_on_gpu=on_gpu, linear_layers=len(self.req_to_token_pool.mamba_map))
     return None
+
+
+def run_batch(original, self, batch, *args, **kwargs):
+    """Reserve the anchor states an extend takes inside its forward (``anchors.inside``) for
+    the gated-DeltaNet hook (``patches/gdn_backend.py``) while the forward runs."""
+    from freetoken_sglang.runtime import get_runtime
+
+    rt = get_runtime()
+    an = getattr(rt, "anchors", None) if rt is not None else None
+    mode = batch.forward_mode if batch is not None else None
+    if (an is None or an.states is None or an.mode != "inside" or mode is None
+            or not mode.is_extend() or mode.is_mixed() or mode.is_target_verify()):
+        return original(self, batch, *args, **kwargs)
+    from freetoken_sglang.anchors import inside
+
+    rt.anchor_snaps = inside.reserve(batch, self.req_to_token_pool, self.tree_cache, an)
+    try:
+        return original(self, batch, *args, **kwargs)
+    finally:
+        rt.anchor_snaps = None
 
 
 def report_decode_stats(result, self, *args, **kwargs):
@@ -78,6 +100,7 @@ def report_decode_stats(result, self, *args, **kwargs):
 
 HOOKS = [
     Hook("sglang.srt.managers.scheduler.Scheduler.__init__", scheduler_init, "after"),
+    Hook("sglang.srt.managers.scheduler.Scheduler.run_batch", run_batch, "around"),
     Hook(
         "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
         get_internal_state,

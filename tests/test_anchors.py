@@ -62,14 +62,14 @@ def test_plan_without_cuts_keeps_only_the_prefix_and_the_prompt_end_near_markers
 
 
 def test_anchor_cuts_follow_the_mode_and_where_the_experts_are():
-    from freetoken_sglang.anchors.book import cuts_enabled
+    from freetoken_sglang.anchors.book import resolve_mode
 
-    assert cuts_enabled("auto", experts_on_gpu=True)
-    assert not cuts_enabled("auto", experts_on_gpu=False)
-    assert cuts_enabled("on", experts_on_gpu=False)
-    assert not cuts_enabled("off", experts_on_gpu=True)
-    with pytest.raises(ValueError, match="choose auto, on or off"):
-        cuts_enabled("sometimes", experts_on_gpu=True)
+    assert resolve_mode("auto", experts_on_gpu=True) == "on"
+    assert resolve_mode("auto", experts_on_gpu=False) == "inside"
+    assert resolve_mode("on", experts_on_gpu=False) == "on"
+    assert resolve_mode("off", experts_on_gpu=True) == "off"
+    with pytest.raises(ValueError, match="choose one of auto, on, inside, off"):
+        resolve_mode("sometimes", experts_on_gpu=True)
 
 
 def test_anchor_budget_must_fit_the_mamba_pool():
@@ -227,8 +227,9 @@ def test_edited_agent_sessions_re_prefill_only_after_the_deepest_anchor(hybrid, 
         r.raise_for_status()
         return r.json()
 
+    # states taken inside the forward (what auto picks at 25%): no chunk ends at anchors
     flags = base + CACHE_25 + ["--freetoken-anchor-min-distance", "1",
-                               "--freetoken-anchor-cuts", "on"]
+                               "--freetoken-anchor-cuts", "inside"]
     got, sent, want_cached = {}, [], {}
     server = start_server(hybrid, flags, log_path=str(tmp_path / "anchors.log"))
     try:
@@ -249,6 +250,8 @@ def test_edited_agent_sessions_re_prefill_only_after_the_deepest_anchor(hybrid, 
     for kind in sessions:
         assert want_cached[kind, 2] > len(chat_ids(tok, [SYSTEM, TASK]))
     assert stats["restores"] >= len(sessions) and stats["states_evicted"] == 0
+    assert stats["cuts"] == "inside" and stats["snaps_missed"] == 0
+    assert stats["states_snapped"] > 0  # the anchors inside each prompt
     assert (stats["reprefill_tokens"] - before["reprefill_tokens"]
             == sum(len(p) for p in sent) - sum(want_cached.values()))
     assert stats["requests"] - before["requests"] == len(sent)

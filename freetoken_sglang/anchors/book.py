@@ -26,28 +26,35 @@ def default_budget(mamba_slots: int, max_running_requests: int) -> int:
     return budget_bound(mamba_slots, max_running_requests) // 2
 
 
-def cuts_enabled(mode: str, experts_on_gpu: bool) -> bool:
-    """Whether anchors end prefill chunks (``--freetoken-anchor-cuts``): ``on``, ``off``, or
-    ``auto``: on only when every routed expert is resident on the GPU. Otherwise each extra
-    chunk pays a fixed cost per forward, whatever its length: a streamed pass over the pool's
-    non-resident experts, their fills, or the CPU executor reading them (0.7-1.0 s per cut on
-    the H200 at 25% cache for the Qwen3.6-35B-A3B shape: benchmarks/RESULTS.md, Session 9),
-    more than the re-prefill a cut can save while SGLang keeps the state at every chunk and
-    prompt end.
+MODES = ("auto", "on", "inside", "off")
+
+
+def resolve_mode(mode: str, experts_on_gpu: bool) -> str:
+    """How anchors keep exact states (``--freetoken-anchor-cuts``): ``on`` (a prefill chunk
+    ends at each anchor), ``inside`` (the recurrent layers replay their inputs up to each
+    anchor inside the forward: ``anchors.inside``), ``off`` (no anchor state of its own), or
+    ``auto``: ``on`` when every routed expert is resident on the GPU, else ``inside``. An
+    extra chunk pays a fixed cost per forward, whatever its length, unless every expert is on
+    the GPU: a streamed pass over the pool's non-resident experts, their fills, or the CPU
+    executor reading them (0.7-1.0 s per cut on the H200 at 25% cache for the Qwen3.6-35B-A3B
+    shape: benchmarks/RESULTS.md, Session 9).
 
     Raises:
         ValueError: an unknown mode.
     """
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"--freetoken-anchor-cuts: choose auto, on or off, not {mode!r}")
-    return mode == "on" or (mode == "auto" and experts_on_gpu)
+    if mode not in MODES:
+        raise ValueError(f"--freetoken-anchor-cuts: choose one of {', '.join(MODES)}, "
+                         f"not {mode!r}")
+    if mode == "auto":
+        return "on" if experts_on_gpu else "inside"
+    return mode
 
 
 class Anchors:
     """Anchor markers ``markers`` (strings) encoded as ``ids``, merged within ``min_distance``
-    tokens (``plan.plan``); ``cuts`` is ``--freetoken-anchor-cuts`` (``cuts_on``, whether
-    plans end chunks, is resolved by ``attach``); ``states`` is set by ``attach`` once the
-    scheduler's radix cache exists."""
+    tokens (``plan.plan``); ``cuts`` is ``--freetoken-anchor-cuts`` (``mode``, resolved by
+    ``attach``: ``resolve_mode``); ``states`` is set by ``attach`` once the scheduler's radix
+    cache exists; ``linear_layers`` is the model's recurrent layer count."""
 
     def __init__(self, markers: Sequence[str], ids: Sequence[Tuple[int, ...]],
                  min_distance: int, budget: Optional[int], cuts: str = "auto"):
@@ -56,7 +63,8 @@ class Anchors:
         self.min_distance = int(min_distance)
         self.requested_budget = budget
         self.cuts_mode = cuts
-        self.cuts_on = cuts == "on"  # resolved by attach
+        self.mode = cuts if cuts != "auto" else "on"  # resolved by attach
+        self.linear_layers = 0
         self.states: Optional[AnchorStates] = None
 
     @classmethod
@@ -65,10 +73,10 @@ class Anchors:
         return cls(markers, marker_ids(tokenizer, markers), min_distance, budget, cuts)
 
     def attach(self, tree_cache, mamba_slots: int, max_running_requests: int,
-               kv_tokens: int, experts_on_gpu: bool) -> None:
+               kv_tokens: int, experts_on_gpu: bool, linear_layers: int = 0) -> None:
         """Keep anchor states in ``tree_cache`` (a ``UnifiedRadixCache`` with a mamba
         component); the budget is the flag's or ``default_budget``, their KV at most half of
-        the ``kv_tokens``-token KV pool; whether anchors end chunks follows ``cuts_enabled``
+        the ``kv_tokens``-token KV pool; how anchors keep their states follows ``resolve_mode``
         (``experts_on_gpu``: every routed expert is resident on the GPU); logged.
 
         Raises:
@@ -86,15 +94,19 @@ class Anchors:
                 "--max-mamba-cache-size, or pass --freetoken-anchors off"
             )
         self.states = AnchorStates(tree_cache, budget, kv_tokens // 2)
-        self.cuts_on = cuts_enabled(self.cuts_mode, experts_on_gpu)
+        self.mode = resolve_mode(self.cuts_mode, experts_on_gpu)
+        self.linear_layers = int(linear_layers)
         shown = ", ".join(f"{m!r}={list(i)}" for m, i in zip(self.markers, self.ids))
-        if self.cuts_on:
-            how = f"a prefill chunk ends at each (merged within {self.min_distance} tokens)"
-        else:
-            why = "" if experts_on_gpu else "experts are not all on the GPU: "
-            how = (f"no chunk ends at them ({why}--freetoken-anchor-cuts {self.cuts_mode}); "
-                   f"the matched prefix and the prompt end are kept when one lies within "
-                   f"{self.min_distance} tokens")
+        merged = f"merged within {self.min_distance} tokens"
+        why = f"--freetoken-anchor-cuts {self.cuts_mode}" + (
+            "" if experts_on_gpu or self.cuts_mode != "auto" else ", experts not all on the GPU")
+        how = {
+            "on": f"a prefill chunk ends at each ({merged}; {why})",
+            "inside": f"the state at each is taken inside the prefill forward, no chunk ends "
+                      f"there ({merged}; {why})",
+            "off": f"no state of their own ({why}); the matched prefix and the prompt end are "
+                   f"kept when one lies within {self.min_distance} tokens",
+        }[self.mode]
         logger.info(
             "FreeToken anchors: %s; %s; at most %d anchor states%s (mamba pool of %d states, "
             "%d running requests) pinning at most %d KV tokens (half the pool)",
@@ -111,13 +123,25 @@ class Anchors:
         the request for its later chunks)."""
         prompt = req.origin_input_ids
         p = plan(self.positions(prompt), prefix_len, len(prompt), self.min_distance,
-                 self.cuts_on)
+                 self.mode != "off")
         setattr(req, PLAN_ATTR, p)
         return p
 
+    @property
+    def ends_chunks(self) -> bool:
+        """Whether a prefill chunk ends at each anchor cut."""
+        return self.mode == "on"
+
+    def keep_if_planned(self, req, pos: int) -> None:
+        """Pin ``req.last_node`` as an anchor if SGLang just gave it the state at ``pos`` and
+        the request's plan keeps that position."""
+        plan = getattr(req, PLAN_ATTR, None)
+        if plan is not None and pos in plan.keep and self.states.depth(req.last_node) == pos:
+            self.states.keep(req.last_node)
+
     def snapshot(self):
         out = {"markers": list(self.markers), "min_distance": self.min_distance,
-               "cuts": self.cuts_on}
+               "cuts": self.mode}
         if self.states is not None:
             out.update(self.states.snapshot())
         return out

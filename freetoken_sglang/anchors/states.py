@@ -59,6 +59,9 @@ class AnchorStates:
         self.reprefill_total = 0
         self.hist = [0] * (len(BUCKETS) + 1)
         self.last_reprefill: Optional[int] = None
+        # anchor states taken inside a forward (anchors.inside): inserted, and not had
+        self.snapped = 0
+        self.missed = 0
 
     # -- the radix cache's side ------------------------------------------------------------
     def _component(self):
@@ -181,4 +184,6 @@ class AnchorStates:
             "reprefill_tokens": self.reprefill_total,
             "last_reprefill": self.last_reprefill,
             "reprefill_histogram": dict(zip(labels, self.hist)),
+            "states_snapped": self.snapped,
+            "snaps_missed": self.missed,
         }
