@@ -7,7 +7,8 @@ anchor states are kept (paper §3.1).
   the request's anchor plan keeps, the radix node SGLang just gave that state
   (``req.last_node``) is pinned as an anchor (``anchors.states``). Both pin.
 - ``UnifiedRadixCache.cache_finished_req`` (before): a request that finishes in its prefill
-  step keeps no prompt-end anchor, and the slots of the states it took are freed.
+  step keeps no prompt-end anchor; the states it took inside the forward enter the tree
+  first (or are freed when SGLang inserts nothing).
 - ``UnifiedRadixCache.reset`` (after): the anchors of the old tree are forgotten.
 """
 
@@ -43,7 +44,13 @@ def cache_finished_req(self, req, *args, **kwargs):
     if an is not None:
         from freetoken_sglang.anchors import inside
 
-        inside.release(req, self.req_to_token_pool)
+        if kwargs.get("is_insert", args[0] if args else True):
+            # finished in its prefill step: its states enter the tree first, through the
+            # wrapped cache_unfinished_req (which pins), as for a request that decodes on
+            inside.insert(self, type(self).cache_unfinished_req, req, an.linear_layers, an,
+                          pin=False)
+        else:
+            inside.release(req, self.req_to_token_pool, an)
     return None
 
 

@@ -74,7 +74,7 @@ def run_batch(original, self, batch, *args, **kwargs):
     an = getattr(rt, "anchors", None) if rt is not None else None
     mode = batch.forward_mode if batch is not None else None
     if (an is None or an.states is None or an.mode != "inside" or mode is None
-            or not mode.is_extend() or mode.is_mixed() or mode.is_target_verify()):
+            or not mode.is_extend() or mode.is_target_verify()):
         return original(self, batch, *args, **kwargs)
     from freetoken_sglang.anchors import inside
 

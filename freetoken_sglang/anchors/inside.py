@@ -43,12 +43,15 @@ class Snapshots:
     phys: torch.Tensor
     req_slot: torch.Tensor
     layers: set = field(default_factory=set)
+    views: list = field(default_factory=list)  # per segment (metadata, batch view), built once
 
 
 def reserve(batch, req_to_token_pool, tree_cache, anchors) -> List[Snapshots]:
     """Before an extend forward: a mamba slot per anchor strictly inside each request's
-    extend (its plan's cuts), attached to the request. A request whose slots cannot be had
-    (the pool is full after evicting) takes none; counted in ``anchors.states``.
+    extend (its plan's cuts; the deepest ``anchors.states.budget`` of them), attached to the
+    request. A request whose slots cannot be had, with one more for the tree's copy, even
+    after evicting unpinned states, takes none (nothing is evicted for it then); counted in
+    ``anchors.states.missed``.
 
     Args:
         batch: SGLang's ``ScheduleBatch`` (extend, not mixed with decode).
@@ -63,6 +66,12 @@ def reserve(batch, req_to_token_pool, tree_cache, anchors) -> List[Snapshots]:
         start, n = int(start), int(n)
         plan = getattr(req, PLAN_ATTR, None)
         pos = tuple(p for p in (plan.cuts if plan is not None else ()) if start < p < start + n)
+        old = getattr(req, SNAP_ATTR, None)
+        if old is not None:  # a previous extend's states never inserted
+            release(req, req_to_token_pool, anchors)
+        if len(pos) > anchors.states.budget:
+            anchors.states.missed += len(pos) - anchors.states.budget
+            pos = pos[len(pos) - anchors.states.budget:]
         if pos:
             slots = _alloc(req_to_token_pool, tree_cache, len(pos))
             if slots is None:
@@ -78,13 +87,18 @@ def reserve(batch, req_to_token_pool, tree_cache, anchors) -> List[Snapshots]:
 
 
 def _alloc(pool, tree_cache, n: int) -> Optional[torch.Tensor]:
-    slots = pool.mamba_allocator.alloc(n)
-    if slots is None:
+    """``n`` slots, keeping one more free for the tree's copy of the first state; evicts
+    unpinned states only when that is enough (None otherwise)."""
+    free = pool.mamba_allocator.available_size()
+    if free < n + 1:
+        if free + tree_cache.mamba_evictable_size() < n + 1:
+            return None
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-        tree_cache.evict(EvictParams(num_tokens=0, mamba_num=n))
-        slots = pool.mamba_allocator.alloc(n)
-    return slots
+        tree_cache.evict(EvictParams(num_tokens=0, mamba_num=n + 1 - free))
+        if pool.mamba_allocator.available_size() < n + 1:
+            return None
+    return pool.mamba_allocator.alloc(n)
 
 
 def replay(backend, original, layer, forward_batch, mixed_qkv, a, b, snaps, kwargs):
@@ -119,19 +133,23 @@ def replay(backend, original, layer, forward_batch, mixed_qkv, a, b, snaps, kwar
     try:
         with torch.no_grad():
             for s, (x, aa, bb) in zip(snaps, saved):
+                if not s.views:  # the same for every layer of this forward
+                    done = s.start
+                    for i, p in enumerate(s.positions):
+                        view = SimpleNamespace(
+                            forward_mode=forward_batch.forward_mode,
+                            extend_prefix_lens=torch.tensor([done], device=mixed_qkv.device),
+                            extend_seq_lens_cpu=[p - done],
+                        )
+                        s.views.append((_one_sequence(meta, p - done, s.phys[i:i + 1]), view))
+                        done = p
                 done = s.start
                 for i, p in enumerate(s.positions):
-                    slot = s.phys[i:i + 1]
                     if i > 0:
                         for t in states:
-                            t[slot] = t[s.phys[i - 1:i]]
+                            t[s.phys[i:i + 1]] = t[s.phys[i - 1:i]]
                     lo, hi = done - s.start, p - s.start
-                    backend.forward_metadata = _one_sequence(meta, hi - lo, slot)
-                    view = SimpleNamespace(
-                        forward_mode=forward_batch.forward_mode,
-                        extend_prefix_lens=torch.tensor([done], device=mixed_qkv.device),
-                        extend_seq_lens_cpu=[hi - lo],
-                    )
+                    backend.forward_metadata, view = s.views[i]
                     original(backend, layer, view, x[lo:hi], aa[lo:hi], bb[lo:hi], **kwargs)
                     done = p
                 s.layers.add(layer.layer_id)
@@ -155,40 +173,46 @@ def _one_sequence(meta, n: int, slot: torch.Tensor):
     return one
 
 
-def insert(tree_cache, original, req, linear_layers: int, anchors) -> None:
+def insert(tree_cache, original, req, linear_layers: int, anchors, pin: bool = True) -> None:
     """Before SGLang caches ``req``'s extend: each anchor state it took enters the radix tree
     as if a chunk had ended there (``original``: the unwrapped ``cache_unfinished_req``, run
     with the request's fill ending at the anchor and its state slot swapped for the anchor's;
     the tree copies the state into a slot of its own). States are used only if every one of
     the ``linear_layers`` recurrent layers replayed them (a captured graph would skip the
-    replay). The reserved slots are freed."""
+    replay). Each reserved slot is freed once the tree holds its copy. ``pin``: pin each
+    inserted node that the request's plan keeps (False when ``original`` pins itself)."""
     snap = getattr(req, SNAP_ATTR, None)
     if snap is None:
         return
     delattr(req, SNAP_ATTR)
-    pool = tree_cache.req_to_token_pool
+    free = tree_cache.req_to_token_pool.mamba_allocator.free
+    if len(snap.layers) != linear_layers:
+        anchors.states.missed += len(snap.positions)
+        free(snap.slots)
+        return
+    extend, own = req.extend_range, req.mamba_pool_idx
+    i = 0
     try:
-        if len(snap.layers) != linear_layers:
-            anchors.states.missed += len(snap.positions)
-            return
-        extend, own = req.extend_range, req.mamba_pool_idx
-        try:
-            for i, p in enumerate(snap.positions):
-                req.extend_range = extend._replace(end=p)
-                req.mamba_pool_idx = snap.slots[i].to(own.dtype)
-                original(tree_cache, req, chunked=True)
-                anchors.states.snapped += 1
+        for i, p in enumerate(snap.positions):
+            req.extend_range = extend._replace(end=p)
+            req.mamba_pool_idx = snap.slots[i].to(own.dtype)
+            original(tree_cache, req, chunked=True)
+            req.mamba_pool_idx = own
+            free(snap.slots[i:i + 1])  # the tree holds its own copy now
+            anchors.states.snapped += 1
+            if pin:
                 anchors.keep_if_planned(req, p)
-        finally:
-            req.extend_range, req.mamba_pool_idx = extend, own
+        i = len(snap.positions)
     finally:
-        pool.mamba_allocator.free(snap.slots)
+        req.extend_range, req.mamba_pool_idx = extend, own
+        if i < len(snap.positions):
+            free(snap.slots[i:])
 
 
-def release(req, pool) -> None:
-    """Free the slots of anchor states ``req`` took but will not insert (it finished in
-    its prefill step)."""
+def release(req, pool, anchors) -> None:
+    """Free the slots of anchor states ``req`` took but will not insert; counted missed."""
     snap = getattr(req, SNAP_ATTR, None)
     if snap is not None:
         delattr(req, SNAP_ATTR)
         pool.mamba_allocator.free(snap.slots)
+        anchors.states.missed += len(snap.positions)
