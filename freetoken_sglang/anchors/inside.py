@@ -191,7 +191,7 @@ def insert(tree_cache, original, req, linear_layers: int, anchors, pin: bool = T
         free(snap.slots)
         return
     extend, own = req.extend_range, req.mamba_pool_idx
-    i = 0
+    freed = 0  # slots[:freed] are back in the allocator
     try:
         for i, p in enumerate(snap.positions):
             req.extend_range = extend._replace(end=p)
@@ -199,14 +199,14 @@ def insert(tree_cache, original, req, linear_layers: int, anchors, pin: bool = T
             original(tree_cache, req, chunked=True)
             req.mamba_pool_idx = own
             free(snap.slots[i:i + 1])  # the tree holds its own copy now
+            freed = i + 1
             anchors.states.snapped += 1
             if pin:
                 anchors.keep_if_planned(req, p)
-        i = len(snap.positions)
     finally:
         req.extend_range, req.mamba_pool_idx = extend, own
-        if i < len(snap.positions):
-            free(snap.slots[i:])
+        if freed < len(snap.positions):
+            free(snap.slots[freed:])
 
 
 def release(req, pool, anchors) -> None:
