@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import List, Mapping, Optional
+import math
+from typing import List, Mapping, Optional, Sequence
 
 import torch
 
@@ -36,11 +37,21 @@ _DTYPE_CODE = {
     torch.float16: _lib.FT_DTYPE_F16,
     torch.bfloat16: _lib.FT_DTYPE_BF16,
 }
-# SGLang's "gelu" (GeluAndMul) defaults to the tanh approximation.
+# SGLang's "gelu" (GeluAndMul) defaults to the tanh approximation. "swiglu_oai" (GPT-OSS) is
+# selected by gemm1_alpha.
 _ACT_CODE = {
     "silu": _lib.FT_ACT_SILU,
     "gelu": _lib.FT_ACT_GELU_TANH,
     "gelu_tanh": _lib.FT_ACT_GELU_TANH,
+    "swiglu_oai": _lib.FT_ACT_SWIGLU_OAI,
+}
+_FMT_CODE = {
+    "fp32": _lib.FT_FMT_DENSE,
+    "fp16": _lib.FT_FMT_DENSE,
+    "bf16": _lib.FT_FMT_DENSE,
+    "fp8_block": _lib.FT_FMT_FP8_BLOCK,
+    "mxfp4": _lib.FT_FMT_MXFP4,
+    "nvfp4": _lib.FT_FMT_NVFP4,
 }
 
 
@@ -77,6 +88,159 @@ def _check_bank(name: str, t: torch.Tensor, ndim: int) -> None:
         raise ValueError(f"bank {name!r} must have {ndim} dims, got shape {list(t.shape)}")
     if not t.is_contiguous():
         raise ValueError(f"bank {name!r} must be contiguous")
+
+
+def _expect(name: str, t: torch.Tensor, dtype, shape) -> None:
+    """One-line check of a bank's dtype and shape (``dtype`` a dtype or a tuple of them)."""
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in dtypes or tuple(t.shape) != tuple(shape):
+        want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(
+            f"bank {name!r} must be {want} {list(shape)}, got "
+            f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
+        )
+
+
+def _need(banks: Mapping[str, torch.Tensor], name: str, why: str, ndims) -> torch.Tensor:
+    """The bank ``name`` (a contiguous CPU tensor with one of ``ndims`` dims)."""
+    if name not in banks:
+        raise ValueError(f"banks lack {name!r}, needed for {why} (have {sorted(banks)})")
+    t = banks[name]
+    ndims = ndims if isinstance(ndims, tuple) else (ndims,)
+    dim = t.dim() if isinstance(t, torch.Tensor) and t.dim() in ndims else ndims[0]
+    _check_bank(name, t, dim)
+    return t
+
+
+def _gated_of(w13: torch.Tensor, w2: torch.Tensor, up_rows: int, inter: int) -> bool:
+    if up_rows == 2 * inter:
+        return True
+    if up_rows == inter:
+        return False
+    raise ValueError(
+        f"w13_weight has {up_rows} rows per expert; expected 2*I={2 * inter} (gated) "
+        f"or I={inter} (w2_weight is {list(w2.shape)})"
+    )
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pool_layout(banks: Mapping[str, torch.Tensor], block_shape):
+    """(format, scales, N, R, H, I, gated) of the banks, every shape and dtype checked;
+    scales["banks"] holds the scale banks the format uses."""
+    w13, w2 = banks["w13_weight"], banks["w2_weight"]
+    n, up_rows, w13_cols = w13.shape
+    scales: dict = {"banks": {}}
+    if w13.dtype == torch.float8_e4m3fn:
+        fmt = "fp8_block"
+        why = "fp8 weights (block quant)"
+        s13 = _need(banks, "w13_weight_scale_inv", why, 3)
+        s2 = _need(banks, "w2_weight_scale_inv", why, 3)
+        if block_shape is None:
+            raise ValueError(
+                "block_shape=[block_n, block_k] is required for fp8 block-quantized banks "
+                "(w13_weight_scale_inv / w2_weight_scale_inv)"
+            )
+        bs = [int(v) for v in block_shape]
+        if len(bs) != 2 or min(bs) <= 0:
+            raise ValueError(f"block_shape must be [block_n, block_k] > 0, got {list(block_shape)}")
+        bn, bk = bs
+        hidden = w13_cols
+        if w2.dtype != torch.float8_e4m3fn:
+            raise ValueError(
+                f"bank 'w2_weight' must be float8_e4m3fn like w13_weight, got {w2.dtype}"
+            )
+        if w2.shape[0] != n or w2.shape[1] != hidden:
+            raise ValueError(
+                f"w2_weight must be [N={n}, H={hidden}, I], got {list(w2.shape)} "
+                f"(w13_weight is {list(w13.shape)})"
+            )
+        inter = w2.shape[2]
+        gated = _gated_of(w13, w2, up_rows, inter)
+        want13 = (n, _cdiv(up_rows, bn), _cdiv(hidden, bk))
+        split = (n, 2 * _cdiv(inter, bn), _cdiv(hidden, bk))
+        if gated and tuple(s13.shape) == split and split != want13 and s13.dtype == torch.float32:
+            scales["split"] = True
+        else:
+            _expect("w13_weight_scale_inv", s13, torch.float32, want13)
+        _expect("w2_weight_scale_inv", s2, torch.float32, (n, _cdiv(hidden, bn), _cdiv(inter, bk)))
+        scales["banks"] = {"w13_weight_scale_inv": s13, "w2_weight_scale_inv": s2}
+        scales["block_shape"] = (bn, bk)
+        return fmt, scales, n, up_rows, hidden, inter, gated
+    if w13.dtype == torch.uint8:
+        if "w13_weight_scale" not in banks:
+            raise ValueError(
+                "uint8 (packed fp4) w13_weight needs 'w13_weight_scale' (uint8 e8m0: mxfp4; "
+                f"float8_e4m3fn: nvfp4) (have {sorted(banks)})"
+            )
+        s13 = _need(banks, "w13_weight_scale", "packed fp4 weights", 3)
+        if s13.dtype == torch.uint8:
+            fmt, gs, sdt = "mxfp4", 32, torch.uint8
+        elif s13.dtype == torch.float8_e4m3fn:
+            fmt, gs, sdt = "nvfp4", 16, torch.float8_e4m3fn
+        else:
+            raise ValueError(
+                "bank 'w13_weight_scale' must be uint8 (mxfp4) or float8_e4m3fn (nvfp4), "
+                f"got {s13.dtype} {list(s13.shape)}"
+            )
+        s2 = _need(banks, "w2_weight_scale", f"{fmt} weights", 3)
+        if w2.dtype != torch.uint8:
+            raise ValueError(f"bank 'w2_weight' must be uint8 like w13_weight, got {w2.dtype}")
+        hidden = 2 * w13_cols
+        if w2.shape[0] != n or w2.shape[1] != hidden:
+            raise ValueError(
+                f"w2_weight must be [N={n}, H={hidden}, I/2] (w13_weight [N, R, H/2] is "
+                f"{list(w13.shape)}), got {list(w2.shape)}"
+            )
+        inter = 2 * w2.shape[2]
+        if hidden % gs or inter % gs:
+            raise ValueError(
+                f"{fmt} needs H and I multiples of {gs}, got H={hidden}, I={inter}"
+            )
+        gated = _gated_of(w13, w2, up_rows, inter)
+        _expect("w13_weight_scale", s13, sdt, (n, up_rows, hidden // gs))
+        _expect("w2_weight_scale", s2, sdt, (n, hidden, inter // gs))
+        scales["banks"] = {"w13_weight_scale": s13, "w2_weight_scale": s2}
+        if fmt == "nvfp4":
+            s13_2 = _need(banks, "w13_weight_scale_2", "nvfp4 weights", (1, 2))
+            s2_2 = _need(banks, "w2_weight_scale_2", "nvfp4 weights", (1, 2))
+            if gated and tuple(s13_2.shape) == (n, 2):
+                scales["scale_2_n"] = 2
+            elif tuple(s13_2.shape) in ((n,), (n, 1)):
+                scales["scale_2_n"] = 1
+            else:
+                want = f"[{n}, 2] (or [{n}])" if gated else f"[{n}] (or [{n}, 1])"
+                raise ValueError(
+                    f"bank 'w13_weight_scale_2' must be float32 {want}, got "
+                    f"{str(s13_2.dtype).replace('torch.', '')} {list(s13_2.shape)}"
+                )
+            _expect("w13_weight_scale_2", s13_2, torch.float32, s13_2.shape)
+            if tuple(s2_2.shape) not in ((n,), (n, 1)) or s2_2.dtype != torch.float32:
+                raise ValueError(
+                    f"bank 'w2_weight_scale_2' must be float32 [{n}] (or [{n}, 1]), got "
+                    f"{str(s2_2.dtype).replace('torch.', '')} {list(s2_2.shape)}"
+                )
+            scales["banks"].update(w13_weight_scale_2=s13_2, w2_weight_scale_2=s2_2)
+        return fmt, scales, n, up_rows, hidden, inter, gated
+    # dense
+    if w13.dtype not in _DTYPE_CODE or w2.dtype != w13.dtype:
+        raise ValueError(
+            "w13_weight and w2_weight must share one dtype among bf16, fp16, fp32 (or be "
+            "float8_e4m3fn / uint8 quantized banks with their scales); got "
+            f"{w13.dtype} and {w2.dtype}"
+        )
+    hidden = w13_cols
+    if w2.shape[0] != n or w2.shape[1] != hidden:
+        raise ValueError(
+            f"w2_weight must be [N={n}, H={hidden}, I], got {list(w2.shape)} "
+            f"(w13_weight is {list(w13.shape)})"
+        )
+    inter = w2.shape[2]
+    gated = _gated_of(w13, w2, up_rows, inter)
+    fmt = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[w13.dtype]
+    return fmt, scales, n, up_rows, hidden, inter, gated
 
 
 class CpuMoeTask:
@@ -130,22 +294,58 @@ class CpuMoeTask:
 class CpuExpertExecutor:
     """Runs routed experts in place on the host expert pool with a pinned C thread pool.
 
+    The weight format is decided from the banks (one format for the whole pool; tensor
+    layouts are SGLang's own); quantized weights stay quantized in the banks and are
+    dequantized inside the C kernels, with fp32 accumulation:
+
+    * dense (``weight_format`` ``"bf16"`` / ``"fp16"`` / ``"fp32"``): ``w13_weight [N, R, H]``
+      (``R = 2I``: gate rows then up rows, or interleaved with ``gate_up_interleaved``;
+      ``R = I`` for a non-gated MLP) and ``w2_weight [N, H, I]``, both of one dtype among
+      bf16, fp16, fp32.
+    * ``"fp8_block"`` (SGLang ``Fp8MoEMethod`` with block quant): ``w13_weight`` /
+      ``w2_weight`` ``torch.float8_e4m3fn`` ``[N, R, H]`` / ``[N, H, I]``, fp32
+      ``w13_weight_scale_inv [N, ceil(R/bn), ceil(H/bk)]`` (gated and ``I % bn != 0``: also
+      ``[N, 2*ceil(I/bn), ceil(H/bk)]``, gate and up blocked separately) and
+      ``w2_weight_scale_inv [N, ceil(H/bn), ceil(I/bk)]``, with ``block_shape = [bn, bk]``;
+      ``w[r, c] = e4m3(q[r, c]) * scale[r // bn, c // bk]`` (partial last blocks allowed).
+    * ``"mxfp4"`` (SGLang ``Mxfp4MoEMethod``, GPT-OSS): uint8 ``w13_weight [N, R, H/2]``,
+      ``w2_weight [N, H, I/2]`` (two e2m1 values a byte, low nibble first), uint8 e8m0
+      ``w13_weight_scale [N, R, H/32]``, ``w2_weight_scale [N, H, I/32]``; H, I % 32 == 0.
+    * ``"nvfp4"`` (SGLang ``ModelOptNvFp4FusedMoEMethod``): packed e2m1 weights as for
+      mxfp4, ``torch.float8_e4m3fn`` ``w13_weight_scale [N, R, H/16]``,
+      ``w2_weight_scale [N, H, I/16]``, fp32 ``w13_weight_scale_2 [N, 2]`` when gated
+      (gate rows, up rows; or ``[N]`` / ``[N, 1]``: one per expert), fp32
+      ``w2_weight_scale_2 [N]`` (or ``[N, 1]``); ``w = e2m1 * e4m3(scale) * scale_2``;
+      H, I % 16 == 0. (Input scales are not used: activations are not quantized.)
+
+    Optional biases ``w13_weight_bias [N, R]`` and ``w2_weight_bias [N, H]``, fp32 or bf16
+    (both of one dtype), in the weights' row order.
+
     Args:
         banks: the pool's banks (``HostExpertPool.banks``), contiguous CPU tensors with leading
-            index ``l*E + e``: ``w13_weight [N, 2I, H]`` (gate rows then up rows; ``[N, I, H]``
-            for a non-gated MLP), ``w2_weight [N, H, I]``, both bf16, fp16 or fp32 (the same
-            dtype), and optionally fp32 ``w13_weight_bias [N, 2I]`` / ``w2_weight_bias [N, H]``.
-            The tensors are referenced, not copied, and must not be resized while in use.
-        activation: ``"silu"``, or ``"gelu"`` / ``"gelu_tanh"`` (tanh approximation).
+            index ``l*E + e``, as above. The tensors are referenced, not copied, and must not
+            be resized while in use.
+        activation: ``"silu"``, or ``"gelu"`` / ``"gelu_tanh"`` (tanh approximation); with
+            ``gemm1_alpha`` set, ``"silu"`` or ``"swiglu_oai"`` (the GPT-OSS activation).
         num_threads: compute threads including the calling thread; None: one per physical
             core of this process's CPU set.
         isa: kernel path, ``"auto"`` or one of :data:`ISAS`.
         spin_us: microseconds an idle worker spins before it sleeps (None: 200).
         pin_threads: pin each worker thread to its own physical core.
+        block_shape: ``[block_n, block_k]`` of fp8 block scales (required for fp8 banks;
+            ignored for the other formats).
+        gemm1_alpha, gemm1_limit: when ``gemm1_alpha`` is set (GPT-OSS: 1.702, limit 7.0),
+            the activation is ``"swiglu_oai"`` (SGLang's Triton runner): with the biases
+            added, ``g = min(g, limit)``, ``u = clamp(u, -limit, limit)``,
+            ``h = g * sigmoid(alpha * g) * (u + 1)``; ``gemm1_limit`` is then required.
+        gate_up_interleaved: gated MLPs: rows ``2j`` / ``2j+1`` of ``w13_weight`` (and of its
+            bias and scales) are gate ``j`` / up ``j`` (False: gate rows, then up rows).
 
     Raises:
-        ValueError / TypeError: banks of the wrong shape, dtype, device or layout, or an
-            unknown activation or isa name.
+        ValueError / TypeError: banks of the wrong shape, dtype, device or layout (the message
+            names the bank, the expected and the actual shape), a missing scale bank or
+            ``block_shape``, or an unknown activation or isa name, or inconsistent activation
+            arguments.
         IsaNotSupportedError: ``isa`` names a path this CPU lacks.
         RuntimeError: the C side could not start (memory, threads).
     """
@@ -158,6 +358,10 @@ class CpuExpertExecutor:
         isa: str = "auto",
         spin_us: Optional[int] = None,
         pin_threads: bool = True,
+        block_shape: Optional[Sequence[int]] = None,
+        gemm1_alpha: Optional[float] = None,
+        gemm1_limit: Optional[float] = None,
+        gate_up_interleaved: bool = False,
     ):
         self._ex = None
         for name in ("w13_weight", "w2_weight"):
@@ -166,75 +370,107 @@ class CpuExpertExecutor:
         w13, w2 = banks["w13_weight"], banks["w2_weight"]
         _check_bank("w13_weight", w13, 3)
         _check_bank("w2_weight", w2, 3)
-        if w13.dtype not in _DTYPE_CODE or w2.dtype != w13.dtype:
-            raise ValueError(
-                "w13_weight and w2_weight must share one dtype among bf16, fp16, fp32; got "
-                f"{w13.dtype} and {w2.dtype}"
-            )
-        n, up_rows, hidden = w13.shape
-        if w2.shape[0] != n or w2.shape[1] != hidden:
-            raise ValueError(
-                f"w2_weight must be [N={n}, H={hidden}, I], got {list(w2.shape)} "
-                f"(w13_weight is {list(w13.shape)})"
-            )
-        inter = w2.shape[2]
-        if up_rows == 2 * inter:
-            gated = True
-        elif up_rows == inter:
-            gated = False
-        else:
-            raise ValueError(
-                f"w13_weight has {up_rows} rows per expert; expected 2*I={2 * inter} (gated) "
-                f"or I={inter} (w2_weight is {list(w2.shape)})"
-            )
+        fmt, scales, n, up_rows, hidden, inter, gated = _pool_layout(banks, block_shape)
         if n == 0 or hidden == 0 or inter == 0:
             raise ValueError(f"empty banks: w13 {list(w13.shape)}, w2 {list(w2.shape)}")
         biases = {}
+        bias_dtype = None
         for name, shape in (("w13_weight_bias", (n, up_rows)), ("w2_weight_bias", (n, hidden))):
             b = banks.get(name)
             if b is None:
                 continue
             _check_bank(name, b, 2)
-            if b.dtype != torch.float32 or tuple(b.shape) != shape:
+            if b.dtype not in (torch.float32, torch.bfloat16) or tuple(b.shape) != shape:
                 raise ValueError(
-                    f"bank {name!r} must be float32 {list(shape)}, got {b.dtype} {list(b.shape)}"
+                    f"bank {name!r} must be float32 or bfloat16 {list(shape)}, got {b.dtype} "
+                    f"{list(b.shape)}"
                 )
+            if bias_dtype is not None and b.dtype != bias_dtype:
+                raise ValueError(
+                    f"bank {name!r} must have the other bias's dtype {bias_dtype}, got {b.dtype}"
+                )
+            bias_dtype = b.dtype
             biases[name] = b
-        if activation not in _ACT_CODE:
+        if gemm1_alpha is not None:
+            if gemm1_limit is None:
+                raise ValueError(
+                    "gemm1_alpha is set (swiglu_oai activation): gemm1_limit is required"
+                )
+            if activation not in ("silu", "swiglu_oai"):
+                raise ValueError(
+                    f"gemm1_alpha selects the swiglu_oai activation; activation must be 'silu' "
+                    f"or 'swiglu_oai', got {activation!r}"
+                )
+            if not gated:
+                raise ValueError("the swiglu_oai activation (gemm1_alpha) needs a gated MLP")
+            if not float(gemm1_limit) > 0 or not math.isfinite(float(gemm1_limit)):
+                raise ValueError(f"gemm1_limit must be a finite number > 0, got {gemm1_limit}")
+            if not math.isfinite(float(gemm1_alpha)):
+                raise ValueError(f"gemm1_alpha must be finite, got {gemm1_alpha}")
+            activation = "swiglu_oai"
+        elif activation == "swiglu_oai":
+            raise ValueError("activation 'swiglu_oai' needs gemm1_alpha and gemm1_limit")
+        elif gemm1_limit is not None:
+            raise ValueError("gemm1_limit is set but gemm1_alpha is not")
+        elif activation not in _ACT_CODE:
             raise ValueError(f"activation must be one of {sorted(_ACT_CODE)}, got {activation!r}")
+        if gate_up_interleaved and not gated:
+            raise ValueError("gate_up_interleaved needs a gated MLP (w13_weight with 2*I rows)")
+        if gate_up_interleaved and scales.get("split"):
+            raise ValueError(
+                "w13_weight_scale_inv with separate gate/up block rows "
+                f"{list(banks['w13_weight_scale_inv'].shape)} cannot be gate_up_interleaved"
+            )
         isa_code = _check_isa(isa)
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None, got {num_threads}")
         if spin_us is not None and spin_us < 0:
             raise ValueError(f"spin_us must be >= 0 or None, got {spin_us}")
 
-        self._banks = {"w13_weight": w13, "w2_weight": w2, **biases}
+        self._banks = {"w13_weight": w13, "w2_weight": w2, **biases, **scales["banks"]}
         self.hidden_size = hidden
         self.intermediate_size = inter
         self.num_experts = n
         self.gated = gated
         self.dtype = w13.dtype
         self.activation = activation
+        self.gate_up_interleaved = bool(gate_up_interleaved)
+        self.block_shape = scales.get("block_shape")
+        self._weight_format = fmt
+
+        def ptr(t, ctype="void *"):
+            return _ffi.cast(ctype, t.data_ptr()) if t is not None else _ffi.NULL
 
         desc = _ffi.new("ft_pool_desc *")
-        desc.w13 = _ffi.cast("void *", w13.data_ptr())
-        desc.w2 = _ffi.cast("void *", w2.data_ptr())
-        desc.w13_bias = (
-            _ffi.cast("float *", biases["w13_weight_bias"].data_ptr())
-            if "w13_weight_bias" in biases
-            else _ffi.NULL
-        )
-        desc.w2_bias = (
-            _ffi.cast("float *", biases["w2_weight_bias"].data_ptr())
-            if "w2_weight_bias" in biases
-            else _ffi.NULL
-        )
+        desc.w13 = ptr(w13)
+        desc.w2 = ptr(w2)
+        desc.w13_bias = ptr(biases.get("w13_weight_bias"))
+        desc.w2_bias = ptr(biases.get("w2_weight_bias"))
+        desc.bias_dtype = _DTYPE_CODE[bias_dtype] if bias_dtype is not None else 0
         desc.n_experts = n
-        desc.dtype = _DTYPE_CODE[w13.dtype]
+        desc.dtype = _DTYPE_CODE.get(w13.dtype, 0)
         desc.hidden = hidden
         desc.inter = inter
         desc.gated = int(gated)
         desc.activation = _ACT_CODE[activation]
+        desc.format = _FMT_CODE[fmt]
+        desc.gate_up_interleaved = int(bool(gate_up_interleaved))
+        if activation == "swiglu_oai":
+            desc.alpha = float(gemm1_alpha)
+            desc.limit = float(gemm1_limit)
+        sb = scales["banks"]
+        if fmt == "fp8_block":
+            desc.block_n, desc.block_k = self.block_shape
+            desc.w13_scale_split = int(bool(scales.get("split")))
+            desc.w13_scale = ptr(sb["w13_weight_scale_inv"])
+            desc.w2_scale = ptr(sb["w2_weight_scale_inv"])
+        elif fmt in ("mxfp4", "nvfp4"):
+            desc.w13_scale = ptr(sb["w13_weight_scale"])
+            desc.w2_scale = ptr(sb["w2_weight_scale"])
+            if fmt == "nvfp4":
+                desc.w13_scale_2 = ptr(sb["w13_weight_scale_2"], "float *")
+                desc.w2_scale_2 = ptr(sb["w2_weight_scale_2"], "float *")
+                desc.w13_scale_2_n = scales["scale_2_n"]
         out = _ffi.new("ft_executor **")
         rc = _lib.ft_executor_create(
             desc,
@@ -247,6 +483,12 @@ class CpuExpertExecutor:
         if rc != _lib.FT_OK:
             raise RuntimeError(f"could not start the CPU expert executor: {_strerror(rc)}")
         self._ex = out[0]
+
+    @property
+    def weight_format(self) -> str:
+        """The pool's weight format: ``"bf16"``, ``"fp16"``, ``"fp32"``, ``"fp8_block"``,
+        ``"mxfp4"`` or ``"nvfp4"``."""
+        return self._weight_format
 
     # ---- capabilities ---------------------------------------------------------------------
     @staticmethod
@@ -349,7 +591,9 @@ class CpuExpertExecutor:
         """``out[rows[i]] += weights[i] * expert_{experts[i]}(x[rows[i]])`` for every item, in fp32.
 
         An expert is ``w2 @ (act(gate @ x + b_gate) * (up @ x + b_up)) + b2`` (non-gated:
-        ``w2 @ act(w1 @ x + b1) + b2``), its weights read in place from the banks.
+        ``w2 @ act(w1 @ x + b1) + b2``; ``"swiglu_oai"``: ``act(g, u)`` as in the class
+        docstring), its weights read in place from the banks (quantized ones dequantized
+        on the fly).
 
         Args:
             x: ``[T, H]`` bf16, fp16 or fp32 CPU tensor (rows may be strided; unit stride
@@ -550,6 +794,6 @@ class CpuExpertExecutor:
         state = f"isa={self.isa}, threads={self.num_threads}" if self._ex is not None else "closed"
         return (
             f"CpuExpertExecutor(N={self.num_experts}, H={self.hidden_size}, "
-            f"I={self.intermediate_size}, {str(self.dtype).replace('torch.', '')}, "
+            f"I={self.intermediate_size}, {self.weight_format}, "
             f"{'gated ' if self.gated else ''}{self.activation}, {state})"
         )

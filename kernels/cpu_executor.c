@@ -114,6 +114,40 @@ static inline float activate(float g, int act) {
     return g / (1.0f + expf(-g));
 }
 
+/* ---- Quantized formats: scalar definitions (the portable path and the scale loads). -- */
+
+/* float8_e4m3fn: 1 sign, 4 exponent bits (bias 7), 3 mantissa bits, subnormals at exponent
+ * 0, no infinities, 0x7f / 0xff NaN. Filled once by init_luts. */
+static float ft_e4m3_lut[256];
+/* e8m0: 2^(s - 127), 0xff NaN. Filled once by init_luts. */
+static float ft_e8m0_lut[256];
+/* e2m1 (fp4): bit 3 sign, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6. */
+static const float ft_e2m1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+static pthread_once_t ft_lut_once = PTHREAD_ONCE_INIT;
+
+static void init_luts(void) {
+    for (int b = 0; b < 256; b++) {
+        int e = (b >> 3) & 15, m = b & 7;
+        float v = e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
+        if ((b & 0x7f) == 0x7f) v = NAN;
+        ft_e4m3_lut[b] = (b & 0x80) ? -v : v;
+        ft_e8m0_lut[b] = b == 255 ? NAN : ldexpf(1.0f, b - 127);
+    }
+}
+
+static inline float e8m0_to_f32(uint8_t s) { return ft_e8m0_lut[s]; }
+
+static inline float gated_act(const ft_pool_desc *p, float a, float u) {
+    if (p->activation == FT_ACT_SWIGLU_OAI) {
+        const float lim = p->limit;
+        float g = a > lim ? lim : a;
+        float v = u > lim ? lim : (u < -lim ? -lim : u);
+        return g / (1.0f + expf(-p->alpha * g)) * (v + 1.0f);
+    }
+    return activate(a, p->activation) * u;
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Micro-kernels: res[r * FT_TMAX + t] = dot(w[r][0:n], x[t][0:n]) for r < 4, t < nt.    */
 /* x is fp32, except for the AVX512-BF16 kernel where it is bf16. The SIMD kernels also  */
@@ -125,8 +159,12 @@ static inline float activate(float g, int act) {
 typedef void (*ft_dot_fn)(const void *const *w, const void *const *pf, const void *const *x,
                           int nt, int n, float *res);
 
+typedef void (*ft_qdot_fn)(const void *const *w, const void *const *s, const void *const *pf,
+                           const void *const *x, int nt, int n, int bk, float *res);
+
 typedef struct {
-    ft_dot_fn dot;
+    ft_dot_fn dot;   /* dense formats */
+    ft_qdot_fn qdot; /* quantized formats (then dot is NULL) */
     int tmax;     /* largest nt the kernel takes */
     int x_bf16;   /* activations (x and the intermediate) are bf16, else fp32 */
 } ft_kernel;
@@ -176,6 +214,81 @@ static inline float cvt_f32(float v) { return v; }
 FT_DEFINE_PORTABLE_DOT(portable_dot_f32, float, cvt_f32)
 FT_DEFINE_PORTABLE_DOT(portable_dot_bf16, uint16_t, bf16_to_f32)
 FT_DEFINE_PORTABLE_DOT(portable_dot_f16, uint16_t, f16_to_f32)
+
+/* Quantized micro-kernels: as ft_dot_fn, with s[r] the scale row of weight row r (FP8:
+ * fp32 column-block scales, one per bk columns; MXFP4: e8m0 bytes, one per 32 columns;
+ * NVFP4: e4m3 bytes, one per 16 columns). w[r] holds the row's codes (FP8: n bytes; FP4:
+ * n/2 bytes, low nibble first). The result is the dot product with the dequantized row
+ * (NVFP4's per-tensor scale_2 is applied by the caller). */
+/* Portable C: dequantize up to 64 columns of the 4 rows into a buffer, then dot it with
+ * every token (each weight byte is read once). */
+#define FT_PCHUNK 64
+
+static inline __attribute__((always_inline)) void portable_dequant(int fmt, const void *w,
+                                                                   const void *s, int c0,
+                                                                   int len, int bk,
+                                                                   float *buf) {
+    const uint8_t *p = (const uint8_t *)w;
+    if (fmt == FT_FMT_FP8_BLOCK) {
+        const float sc = ((const float *)s)[c0 / bk];
+        for (int k = 0; k < len; k++) buf[k] = ft_e4m3_lut[p[c0 + k]] * sc;
+        return;
+    }
+    const int gs = fmt == FT_FMT_MXFP4 ? 32 : 16; /* c0 and len are multiples of gs */
+    const uint8_t *q = (const uint8_t *)s;
+    for (int g = 0; g < len; g += gs) {
+        const int c = c0 + g;
+        const float sc = fmt == FT_FMT_MXFP4 ? e8m0_to_f32(q[c / 32]) : ft_e4m3_lut[q[c / 16]];
+        for (int k = 0; k < gs; k += 2) {
+            const uint8_t b = p[(c + k) >> 1];
+            buf[g + k] = ft_e2m1[b & 15] * sc;
+            buf[g + k + 1] = ft_e2m1[b >> 4] * sc;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void portable_qdot_body(
+    int fmt, const void *const *w, const void *const *s, const void *const *x, int nt, int n,
+    int bk, float *res) {
+    float acc[FT_ROWS][FT_TMAX];
+    float buf[FT_ROWS][FT_PCHUNK];
+    for (int r = 0; r < FT_ROWS; r++)
+        for (int t = 0; t < FT_TMAX; t++) acc[r][t] = 0.0f;
+    for (int c0 = 0; c0 < n;) {
+        int c1 = c0 + FT_PCHUNK < n ? c0 + FT_PCHUNK : n;
+        if (fmt == FT_FMT_FP8_BLOCK) { /* one scale per chunk: stop at the block's end */
+            int be = (c0 / bk + 1) * bk;
+            if (c1 > be) c1 = be;
+        }
+        const int len = c1 - c0;
+        for (int r = 0; r < FT_ROWS; r++) portable_dequant(fmt, w[r], s[r], c0, len, bk, buf[r]);
+        for (int t = 0; t < nt; t++) {
+            const float *xv = (const float *)x[t] + c0;
+            for (int r = 0; r < FT_ROWS; r++) {
+                float a[8] = {0};
+                int k = 0;
+                for (; k + 8 <= len; k += 8)
+                    for (int l = 0; l < 8; l++) a[l] += buf[r][k + l] * xv[k + l];
+                float sum = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+                for (; k < len; k++) sum += buf[r][k] * xv[k];
+                acc[r][t] += sum;
+            }
+        }
+        c0 = c1;
+    }
+    for (int r = 0; r < FT_ROWS; r++)
+        for (int t = 0; t < nt; t++) res[r * FT_TMAX + t] = acc[r][t];
+}
+
+#define FT_DEFINE_PORTABLE_QDOT(NAME, FMT)                                                   \
+    static void NAME(const void *const *w, const void *const *s, const void *const *pf,      \
+                     const void *const *x, int nt, int n, int bk, float *res) {              \
+        (void)pf;                                                                            \
+        portable_qdot_body(FMT, w, s, x, nt, n, bk, res);                                    \
+    }
+FT_DEFINE_PORTABLE_QDOT(portable_qdot_fp8, FT_FMT_FP8_BLOCK)
+FT_DEFINE_PORTABLE_QDOT(portable_qdot_mxfp4, FT_FMT_MXFP4)
+FT_DEFINE_PORTABLE_QDOT(portable_qdot_nvfp4, FT_FMT_NVFP4)
 
 /* STREAM-like reads reduce a buffer to the sum of its 64-bit little-endian words (mod 2^64),
  * plus each byte of a final partial word, whatever the path and the split across threads
@@ -268,6 +381,118 @@ FT_DEFINE_AVX2_DOT(avx2_dot_f32, avx2_w_f32, ld_f32, 4)
 FT_DEFINE_AVX2_DOT(avx2_dot_bf16, avx2_w_bf16, ld_bf16, 2)
 FT_DEFINE_AVX2_DOT(avx2_dot_f16, avx2_w_f16, ld_f16, 2)
 
+/* ---- AVX2 quantized kernels: 8 fp32 lanes, up to 2 tokens. -------------------------- */
+/* 8 e4m3 bytes -> 8 floats / 256: the bits ((b & 0x80) << 8) | ((b & 0x7f) << 7) read as
+ * fp16 are e4m3(b) / 256 exactly, subnormals included (the 256 goes into the scale). */
+static inline FT_AVX2 __m256 avx2_fp8x8(const uint8_t *p) {
+    __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7),
+                              _mm_set1_epi16((short)0xbf80));
+    return _mm256_cvtph_ps(h);
+}
+/* 4 bytes of packed e2m1 (low nibble first) -> 8 floats. */
+static inline FT_AVX2 __m256 avx2_fp4x8(const uint8_t *p, __m256 lut8) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    __m128i b = _mm_cvtsi32_si128(v);
+    __m256i idx = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(b, _mm_srli_epi16(b, 4)));
+    __m256 mag = _mm256_permutevar8x32_ps(lut8, idx); /* low 3 bits: the magnitude */
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(idx, _mm256_set1_epi32(8)), 28);
+    return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
+}
+
+#define FT_AVX2_QFMA(I)                                                                      \
+    do {                                                                                     \
+        for (int t = 0; t < nt; t++) {                                                       \
+            __m256 xv = _mm256_loadu_ps((const float *)x[t] + (I));                          \
+            for (int r = 0; r < FT_ROWS; r++) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]); \
+        }                                                                                    \
+    } while (0)
+
+static inline __attribute__((always_inline)) FT_AVX2 void avx2_qfp8_body(
+    const void *const *w, const void *const *s, const void *const *pf, const void *const *x,
+    const int nt, int n, int bk, float *res) {
+    __m256 acc[FT_ROWS][2];
+    float tail[FT_ROWS][2];
+    for (int r = 0; r < FT_ROWS; r++)
+        for (int t = 0; t < 2; t++) {
+            acc[r][t] = _mm256_setzero_ps();
+            tail[r][t] = 0.0f;
+        }
+    int64_t pfo = 0;
+    for (int64_t c0 = 0, kb = 0; c0 < n; c0 += bk, kb++) {
+        const int c1 = (int)(c0 + bk < n ? c0 + bk : n);
+        float sc[FT_ROWS];
+        __m256 scv[FT_ROWS];
+        for (int r = 0; r < FT_ROWS; r++) {
+            sc[r] = ((const float *)s[r])[kb];
+            scv[r] = _mm256_set1_ps(sc[r] * 256.0f);
+        }
+        int i = (int)c0;
+        for (; i + 8 <= c1; i += 8) {
+            if (i >= pfo) {
+                FT_PREFETCH4((size_t)pfo);
+                pfo += FT_ALIGN;
+            }
+            __m256 wv[FT_ROWS];
+            for (int r = 0; r < FT_ROWS; r++)
+                wv[r] = _mm256_mul_ps(avx2_fp8x8((const uint8_t *)w[r] + i), scv[r]);
+            FT_AVX2_QFMA(i);
+        }
+        for (; i < c1; i++)
+            for (int r = 0; r < FT_ROWS; r++) {
+                float wq = ft_e4m3_lut[((const uint8_t *)w[r])[i]] * sc[r];
+                for (int t = 0; t < nt; t++) tail[r][t] += wq * ((const float *)x[t])[i];
+            }
+    }
+    for (int t = 0; t < nt; t++)
+        for (int r = 0; r < FT_ROWS; r++) res[r * FT_TMAX + t] = avx2_hsum(acc[r][t]) + tail[r][t];
+}
+
+/* n is a multiple of 16 (NVFP4) or 32 (MXFP4). */
+static inline __attribute__((always_inline)) FT_AVX2 void avx2_qfp4_body(
+    int fmt, const void *const *w, const void *const *s, const void *const *pf,
+    const void *const *x, const int nt, int n, float *res) {
+    __m256 acc[FT_ROWS][2];
+    for (int r = 0; r < FT_ROWS; r++)
+        for (int t = 0; t < 2; t++) acc[r][t] = _mm256_setzero_ps();
+    const __m256 lut8 = _mm256_loadu_ps(ft_e2m1);
+    for (int i = 0; i < n; i += 8) {
+        if (((i >> 1) & (FT_ALIGN - 1)) == 0) FT_PREFETCH4((size_t)(i >> 1));
+        __m256 wv[FT_ROWS];
+        for (int r = 0; r < FT_ROWS; r++) {
+            const uint8_t *q = (const uint8_t *)s[r];
+            float sc = fmt == FT_FMT_MXFP4 ? e8m0_to_f32(q[i >> 5]) : ft_e4m3_lut[q[i >> 4]];
+            wv[r] = _mm256_mul_ps(avx2_fp4x8((const uint8_t *)w[r] + (i >> 1), lut8),
+                                  _mm256_set1_ps(sc));
+        }
+        FT_AVX2_QFMA(i);
+    }
+    for (int t = 0; t < nt; t++)
+        for (int r = 0; r < FT_ROWS; r++) res[r * FT_TMAX + t] = avx2_hsum(acc[r][t]);
+}
+
+static FT_AVX2 void avx2_qdot_fp8(const void *const *w, const void *const *s,
+                                  const void *const *pf, const void *const *x, int nt, int n,
+                                  int bk, float *res) {
+    if (nt == 1)
+        avx2_qfp8_body(w, s, pf, x, 1, n, bk, res);
+    else
+        avx2_qfp8_body(w, s, pf, x, 2, n, bk, res);
+}
+#define FT_DEFINE_AVX2_QDOT_FP4(NAME, FMT)                                                   \
+    static FT_AVX2 void NAME(const void *const *w, const void *const *s,                    \
+                             const void *const *pf, const void *const *x, int nt, int n,     \
+                             int bk, float *res) {                                           \
+        (void)bk;                                                                            \
+        if (nt == 1)                                                                         \
+            avx2_qfp4_body(FMT, w, s, pf, x, 1, n, res);                                     \
+        else                                                                                 \
+            avx2_qfp4_body(FMT, w, s, pf, x, 2, n, res);                                     \
+    }
+FT_DEFINE_AVX2_QDOT_FP4(avx2_qdot_mxfp4, FT_FMT_MXFP4)
+FT_DEFINE_AVX2_QDOT_FP4(avx2_qdot_nvfp4, FT_FMT_NVFP4)
+
 /* ---- AVX-512: 16 fp32 lanes, masked tails, up to 4 tokens (16 accumulators). -------- */
 #define FT_AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"
 #define FT_AVX512 __attribute__((target(FT_AVX512_TARGET)))
@@ -351,6 +576,170 @@ static inline FT_AVX512 __m512 avx512_w_f16(const void *p, int i, __mmask16 m) {
 FT_DEFINE_AVX512_DOT(avx512_dot_f32, avx512_w_f32, 4)
 FT_DEFINE_AVX512_DOT(avx512_dot_bf16, avx512_w_bf16, 2)
 FT_DEFINE_AVX512_DOT(avx512_dot_f16, avx512_w_f16, 2)
+
+/* ---- AVX-512 quantized kernels: 16 fp32 lanes, up to 4 tokens, fp32 FMA. ------------ */
+/* 16 e4m3 bytes (masked) -> 16 floats / 256 (see avx2_fp8x8). */
+static inline FT_AVX512 __m512 avx512_fp8x16(const uint8_t *p, __mmask16 m) {
+    __m128i b = _mm_maskz_loadu_epi8(m, p);
+    __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                 _mm256_set1_epi16((short)0xbf80));
+    return _mm512_cvtph_ps(h);
+}
+/* 8 bytes of packed e2m1 (low nibble first) -> 16 floats (vpermps uses the index's low 4
+ * bits, so the nibbles need no masking). */
+static inline FT_AVX512 __m512 avx512_e2m1x16(__m128i codes, __m512 lut) {
+    return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), lut);
+}
+static inline FT_AVX512 __m512 avx512_fp4x16(const uint8_t *p, __m512 lut) {
+    __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    return avx512_e2m1x16(_mm_unpacklo_epi8(b, _mm_srli_epi16(b, 4)), lut);
+}
+
+#define FT_AVX512_QFMA(I, M)                                                                 \
+    do {                                                                                     \
+        FT_FMA_TOKEN(0, I, M);                                                               \
+        if (nt > 1) FT_FMA_TOKEN(1, I, M);                                                   \
+        if (nt > 2) FT_FMA_TOKEN(2, I, M);                                                   \
+        if (nt > 3) FT_FMA_TOKEN(3, I, M);                                                   \
+    } while (0)
+#define FT_AVX512_FP8_STEP(I, M)                                                             \
+    do {                                                                                     \
+        __m512 w0 = _mm512_mul_ps(avx512_fp8x16(p0 + (I), M), sc0);                          \
+        __m512 w1 = _mm512_mul_ps(avx512_fp8x16(p1 + (I), M), sc1);                          \
+        __m512 w2 = _mm512_mul_ps(avx512_fp8x16(p2 + (I), M), sc2);                          \
+        __m512 w3 = _mm512_mul_ps(avx512_fp8x16(p3 + (I), M), sc3);                          \
+        FT_AVX512_QFMA(I, M);                                                                \
+    } while (0)
+
+static inline __attribute__((always_inline)) FT_AVX512 void avx512_qfp8_body(
+    const void *const *w, const void *const *s, const void *const *pf, const void *const *x,
+    const int nt, int n, int bk, float *res) {
+    FT_ACC_DECL;
+    const uint8_t *p0 = (const uint8_t *)w[0], *p1 = (const uint8_t *)w[1];
+    const uint8_t *p2 = (const uint8_t *)w[2], *p3 = (const uint8_t *)w[3];
+    const float *q0 = (const float *)s[0], *q1 = (const float *)s[1];
+    const float *q2 = (const float *)s[2], *q3 = (const float *)s[3];
+    int64_t pfo = 0;
+    for (int64_t c0 = 0, kb = 0; c0 < n; c0 += bk, kb++) {
+        const int c1 = (int)(c0 + bk < n ? c0 + bk : n);
+        const __m512 sc0 = _mm512_set1_ps(q0[kb] * 256.0f);
+        const __m512 sc1 = _mm512_set1_ps(q1[kb] * 256.0f);
+        const __m512 sc2 = _mm512_set1_ps(q2[kb] * 256.0f);
+        const __m512 sc3 = _mm512_set1_ps(q3[kb] * 256.0f);
+        int i = (int)c0;
+        for (; i + 16 <= c1; i += 16) {
+            if (i >= pfo) {
+                FT_PREFETCH4((size_t)pfo);
+                pfo += FT_ALIGN;
+            }
+            FT_AVX512_FP8_STEP(i, (__mmask16)0xffff);
+        }
+        if (i < c1) FT_AVX512_FP8_STEP(i, (__mmask16)((1u << (c1 - i)) - 1));
+    }
+    FT_ACC_STORE_ALL;
+}
+
+/* n is a multiple of 16 (NVFP4) or 32 (MXFP4): no tails. Steps of 32 columns (16 bytes of
+ * each row, one MXFP4 scale or two NVFP4 scales), then one of 16 for an NVFP4 remainder. */
+#define FT_FP4_SCALE(Q, I)                                                                   \
+    _mm512_set1_ps(fmt == FT_FMT_MXFP4 ? ft_e8m0_lut[(Q)[(I) >> 5]]                          \
+                                       : ft_e4m3_lut[(Q)[(I) >> 4]])
+static inline __attribute__((always_inline)) FT_AVX512 void avx512_qfp4_body(
+    int fmt, const void *const *w, const void *const *s, const void *const *pf,
+    const void *const *x, const int nt, int n, float *res) {
+    FT_ACC_DECL;
+    const __m512 lut = _mm512_loadu_ps(ft_e2m1);
+    const uint8_t *p0 = (const uint8_t *)w[0], *p1 = (const uint8_t *)w[1];
+    const uint8_t *p2 = (const uint8_t *)w[2], *p3 = (const uint8_t *)w[3];
+    const uint8_t *q0 = (const uint8_t *)s[0], *q1 = (const uint8_t *)s[1];
+    const uint8_t *q2 = (const uint8_t *)s[2], *q3 = (const uint8_t *)s[3];
+    const __mmask16 all = (__mmask16)0xffff;
+    int i = 0;
+    for (; i + 32 <= n; i += 32) {
+        if (((i >> 1) & (FT_ALIGN - 1)) == 0) FT_PREFETCH4((size_t)(i >> 1));
+        const __m128i b0 = _mm_loadu_si128((const __m128i *)(p0 + (i >> 1)));
+        const __m128i b1 = _mm_loadu_si128((const __m128i *)(p1 + (i >> 1)));
+        const __m128i b2 = _mm_loadu_si128((const __m128i *)(p2 + (i >> 1)));
+        const __m128i b3 = _mm_loadu_si128((const __m128i *)(p3 + (i >> 1)));
+        const __m128i h0 = _mm_srli_epi16(b0, 4), h1 = _mm_srli_epi16(b1, 4);
+        const __m128i h2 = _mm_srli_epi16(b2, 4), h3 = _mm_srli_epi16(b3, 4);
+        __m512 s0 = FT_FP4_SCALE(q0, i), s1 = FT_FP4_SCALE(q1, i);
+        __m512 s2 = FT_FP4_SCALE(q2, i), s3 = FT_FP4_SCALE(q3, i);
+        if (fmt == FT_FMT_MXFP4) {
+            /* one scale for the 32 columns: look the codes up in the scaled table (exact:
+             * the scale is a power of two) */
+            const __m512 l0 = _mm512_mul_ps(lut, s0), l1 = _mm512_mul_ps(lut, s1);
+            const __m512 l2 = _mm512_mul_ps(lut, s2), l3 = _mm512_mul_ps(lut, s3);
+            {
+                __m512 w0 = avx512_e2m1x16(_mm_unpacklo_epi8(b0, h0), l0);
+                __m512 w1 = avx512_e2m1x16(_mm_unpacklo_epi8(b1, h1), l1);
+                __m512 w2 = avx512_e2m1x16(_mm_unpacklo_epi8(b2, h2), l2);
+                __m512 w3 = avx512_e2m1x16(_mm_unpacklo_epi8(b3, h3), l3);
+                FT_AVX512_QFMA(i, all);
+            }
+            {
+                __m512 w0 = avx512_e2m1x16(_mm_unpackhi_epi8(b0, h0), l0);
+                __m512 w1 = avx512_e2m1x16(_mm_unpackhi_epi8(b1, h1), l1);
+                __m512 w2 = avx512_e2m1x16(_mm_unpackhi_epi8(b2, h2), l2);
+                __m512 w3 = avx512_e2m1x16(_mm_unpackhi_epi8(b3, h3), l3);
+                FT_AVX512_QFMA(i + 16, all);
+            }
+            continue;
+        }
+        {
+            __m512 w0 = _mm512_mul_ps(avx512_e2m1x16(_mm_unpacklo_epi8(b0, h0), lut), s0);
+            __m512 w1 = _mm512_mul_ps(avx512_e2m1x16(_mm_unpacklo_epi8(b1, h1), lut), s1);
+            __m512 w2 = _mm512_mul_ps(avx512_e2m1x16(_mm_unpacklo_epi8(b2, h2), lut), s2);
+            __m512 w3 = _mm512_mul_ps(avx512_e2m1x16(_mm_unpacklo_epi8(b3, h3), lut), s3);
+            FT_AVX512_QFMA(i, all);
+        }
+        s0 = FT_FP4_SCALE(q0, i + 16);
+        s1 = FT_FP4_SCALE(q1, i + 16);
+        s2 = FT_FP4_SCALE(q2, i + 16);
+        s3 = FT_FP4_SCALE(q3, i + 16);
+        {
+            __m512 w0 = _mm512_mul_ps(avx512_e2m1x16(_mm_unpackhi_epi8(b0, h0), lut), s0);
+            __m512 w1 = _mm512_mul_ps(avx512_e2m1x16(_mm_unpackhi_epi8(b1, h1), lut), s1);
+            __m512 w2 = _mm512_mul_ps(avx512_e2m1x16(_mm_unpackhi_epi8(b2, h2), lut), s2);
+            __m512 w3 = _mm512_mul_ps(avx512_e2m1x16(_mm_unpackhi_epi8(b3, h3), lut), s3);
+            FT_AVX512_QFMA(i + 16, all);
+        }
+    }
+    if (i < n) { /* NVFP4: 16 columns left */
+        __m512 w0 = _mm512_mul_ps(avx512_fp4x16(p0 + (i >> 1), lut), FT_FP4_SCALE(q0, i));
+        __m512 w1 = _mm512_mul_ps(avx512_fp4x16(p1 + (i >> 1), lut), FT_FP4_SCALE(q1, i));
+        __m512 w2 = _mm512_mul_ps(avx512_fp4x16(p2 + (i >> 1), lut), FT_FP4_SCALE(q2, i));
+        __m512 w3 = _mm512_mul_ps(avx512_fp4x16(p3 + (i >> 1), lut), FT_FP4_SCALE(q3, i));
+        FT_AVX512_QFMA(i, all);
+    }
+    FT_ACC_STORE_ALL;
+}
+#undef FT_FP4_SCALE
+
+static FT_AVX512 void avx512_qdot_fp8(const void *const *w, const void *const *s,
+                                      const void *const *pf, const void *const *x, int nt,
+                                      int n, int bk, float *res) {
+    switch (nt) {
+    case 1: avx512_qfp8_body(w, s, pf, x, 1, n, bk, res); break;
+    case 2: avx512_qfp8_body(w, s, pf, x, 2, n, bk, res); break;
+    case 3: avx512_qfp8_body(w, s, pf, x, 3, n, bk, res); break;
+    default: avx512_qfp8_body(w, s, pf, x, 4, n, bk, res); break;
+    }
+}
+#define FT_DEFINE_AVX512_QDOT_FP4(NAME, FMT)                                                 \
+    static FT_AVX512 void NAME(const void *const *w, const void *const *s,                  \
+                               const void *const *pf, const void *const *x, int nt, int n,   \
+                               int bk, float *res) {                                         \
+        (void)bk;                                                                            \
+        switch (nt) {                                                                        \
+        case 1: avx512_qfp4_body(FMT, w, s, pf, x, 1, n, res); break;                        \
+        case 2: avx512_qfp4_body(FMT, w, s, pf, x, 2, n, res); break;                        \
+        case 3: avx512_qfp4_body(FMT, w, s, pf, x, 3, n, res); break;                        \
+        default: avx512_qfp4_body(FMT, w, s, pf, x, 4, n, res); break;                       \
+        }                                                                                    \
+    }
+FT_DEFINE_AVX512_QDOT_FP4(avx512_qdot_mxfp4, FT_FMT_MXFP4)
+FT_DEFINE_AVX512_QDOT_FP4(avx512_qdot_nvfp4, FT_FMT_NVFP4)
 
 /* ---- AVX512-BF16: bf16 weights x bf16 activations, 32 pairs per vdpbf16ps. ---------- */
 /* bf16 pair dot products of 4 weight vectors with token T's activations. */
@@ -499,8 +888,29 @@ const char *ft_strerror(int code) {
     }
 }
 
-static ft_kernel select_kernel(int isa, int wdtype) {
-    ft_kernel k = {NULL, FT_TMAX, 0};
+static ft_kernel select_kernel(int isa, int wdtype, int fmt) {
+    ft_kernel k = {NULL, NULL, FT_TMAX, 0};
+    if (fmt != FT_FMT_DENSE) {
+#if FT_X86
+        if (isa == FT_ISA_AVX512 || isa == FT_ISA_AVX512_BF16) {
+            k.qdot = fmt == FT_FMT_FP8_BLOCK ? avx512_qdot_fp8
+                     : fmt == FT_FMT_MXFP4   ? avx512_qdot_mxfp4
+                                             : avx512_qdot_nvfp4;
+            return k;
+        }
+        if (isa == FT_ISA_AVX2) {
+            k.qdot = fmt == FT_FMT_FP8_BLOCK ? avx2_qdot_fp8
+                     : fmt == FT_FMT_MXFP4   ? avx2_qdot_mxfp4
+                                             : avx2_qdot_nvfp4;
+            k.tmax = 2;
+            return k;
+        }
+#endif
+        k.qdot = fmt == FT_FMT_FP8_BLOCK ? portable_qdot_fp8
+                 : fmt == FT_FMT_MXFP4   ? portable_qdot_mxfp4
+                                         : portable_qdot_nvfp4;
+        return k;
+    }
 #if FT_X86
     if (isa == FT_ISA_AVX512_BF16 && wdtype == FT_DTYPE_BF16) {
         k.dot = avx512bf16_dot;
@@ -618,8 +1028,14 @@ typedef struct {
 
 struct ft_executor {
     ft_pool_desc pool;
-    size_t esz;               /* weight element size */
+    size_t esz;               /* weight element size (dense) */
     int64_t up_rows;          /* rows of one expert's w13 */
+    /* weight and scale geometry (scale fields unused when dense) */
+    size_t w13_row_bytes, w2_row_bytes;   /* bytes of one weight row */
+    size_t s13_row_bytes, s2_row_bytes;   /* bytes of one scale row */
+    int64_t s13_rows, s2_rows;            /* scale rows per expert */
+    int64_t s13_div, s2_div;              /* weight row -> scale row: / block_n, or 1 */
+    int64_t s13_up_first;                 /* w13_scale_split: first up scale row */
     int isa;
     ft_kernel kern;
     int nthreads;             /* compute threads, the caller included */
@@ -763,49 +1179,93 @@ static inline void store_inter(void *dst, int j, float v, int bf16) {
 }
 
 /* The w13 bank rows of one micro-kernel call at intermediate index j (< j1): gated, gate
- * rows j, j+1 and up rows I+j, I+j+1; not gated, rows j..j+3. Rows past j1 repeat the last
- * one (their results are ignored). */
-static void gate_up_rows(int64_t j, int64_t j1, int64_t I, int gated, int64_t *jr) {
+ * rows of j, j+1 then up rows of j, j+1 (halves: j, j+1, I+j, I+j+1; interleaved: 2j,
+ * 2j+2, 2j+1, 2j+3); not gated, rows j..j+3. Rows past j1 repeat the last one (their
+ * results are ignored). */
+static void gate_up_rows(int64_t j, int64_t j1, int64_t I, int gated, int il, int64_t *jr) {
     const int step = gated ? 2 : 4;
     int nj = (int)(j1 - j < step ? j1 - j : step);
     for (int r = 0; r < FT_ROWS; r++) {
         int64_t jj = gated ? j + (r % 2 < nj ? r % 2 : nj - 1) : j + (r < nj ? r : nj - 1);
-        jr[r] = gated && r >= 2 ? I + jj : jj;
+        if (!gated)
+            jr[r] = jj;
+        else if (il)
+            jr[r] = 2 * jj + (r >= 2);
+        else
+            jr[r] = r >= 2 ? I + jj : jj;
     }
+}
+
+/* The scale row of w13 row r of expert e (NULL when dense). */
+static inline const void *w13_scale_row(const ft_executor *ex, int64_t e, int64_t r) {
+    const ft_pool_desc *p = &ex->pool;
+    if (p->format == FT_FMT_DENSE) return NULL;
+    int64_t sr;
+    if (ex->s13_up_first > 0 && r >= p->inter)
+        sr = ex->s13_up_first + (r - p->inter) / ex->s13_div;
+    else
+        sr = r / ex->s13_div;
+    return (const uint8_t *)p->w13_scale + ((size_t)e * ex->s13_rows + sr) * ex->s13_row_bytes;
+}
+
+/* The per-tensor factor of w13 row r of expert e: NVFP4's scale_2, else 1. */
+static inline float w13_row_mul(const ft_executor *ex, int64_t e, int64_t r) {
+    const ft_pool_desc *p = &ex->pool;
+    if (p->format != FT_FMT_NVFP4) return 1.0f;
+    int up = p->w13_scale_2_n == 2 && (p->gate_up_interleaved ? (r & 1) : r >= p->inter);
+    return p->w13_scale_2[(size_t)e * p->w13_scale_2_n + up];
+}
+
+static inline float bias_at(const void *b, int64_t i, int dtype) { return load_elem(b, i, dtype); }
+
+/* One micro-kernel call, dense or quantized. */
+static inline void kdot(const ft_executor *ex, const void *const *w, const void *const *sc,
+                        const void *const *pf, const void *const *x, int nt, int n,
+                        float *res) {
+    if (ex->kern.qdot)
+        ex->kern.qdot(w, sc, pf, x, nt, n, ex->pool.block_k, res);
+    else
+        ex->kern.dot(w, pf, x, nt, n, res);
 }
 
 /* Intermediate rows [j0, j1) of group g. */
 static void phase1_group(const ft_executor *ex, const ft_group *g, int64_t j0, int64_t j1) {
     const ft_pool_desc *p = &ex->pool;
     const ft_kernel *k = &ex->kern;
-    const int H = p->hidden, I = p->inter, gated = p->gated;
-    const uint8_t *base = (const uint8_t *)p->w13 + (size_t)g->expert * ex->up_rows * H * ex->esz;
-    const float *bias = p->w13_bias ? p->w13_bias + (size_t)g->expert * ex->up_rows : NULL;
-    const size_t row_bytes = (size_t)H * ex->esz;
+    const int H = p->hidden, I = p->inter, gated = p->gated, il = p->gate_up_interleaved;
+    const int64_t e = g->expert;
+    const size_t row_bytes = ex->w13_row_bytes;
+    const uint8_t *base = (const uint8_t *)p->w13 + (size_t)e * ex->up_rows * row_bytes;
+    const int64_t bias0 = e * ex->up_rows;
     const int step = gated ? 2 : 4; /* 4 rows per micro-kernel call: 2 gate + 2 up, or 4 */
     float res[FT_ROWS * FT_TMAX];
-    const void *w[FT_ROWS], *next[FT_ROWS];
+    const void *w[FT_ROWS], *next[FT_ROWS], *sc[FT_ROWS];
+    float mul[FT_ROWS], bias[FT_ROWS];
     int64_t jr[FT_ROWS], next_jr[FT_ROWS]; /* bank row of each micro-kernel row */
-    gate_up_rows(j0, j1, I, gated, jr);
+    gate_up_rows(j0, j1, I, gated, il, jr);
     for (int r = 0; r < FT_ROWS; r++) w[r] = base + (size_t)jr[r] * row_bytes;
     for (int64_t j = j0; j < j1; j += step) {
         int nj = (int)(j1 - j < step ? j1 - j : step);
         int has_next = j + step < j1;
-        if (has_next) gate_up_rows(j + step, j1, I, gated, next_jr);
-        for (int r = 0; r < FT_ROWS; r++)
+        if (has_next) gate_up_rows(j + step, j1, I, gated, il, next_jr);
+        for (int r = 0; r < FT_ROWS; r++) {
             next[r] = has_next ? (const void *)(base + (size_t)next_jr[r] * row_bytes) : w[r];
+            sc[r] = w13_scale_row(ex, e, jr[r]);
+            mul[r] = w13_row_mul(ex, e, jr[r]);
+            bias[r] = p->w13_bias ? bias_at(p->w13_bias, bias0 + jr[r], p->bias_dtype) : 0.0f;
+        }
         for (int tt = 0; tt < g->count; tt += k->tmax) {
             int nt = g->count - tt < k->tmax ? g->count - tt : k->tmax;
             int item0 = g->start + tt;
-            k->dot(w, tt == 0 ? next : w, (const void *const *)&ex->s_x[item0], nt, H, res);
+            kdot(ex, w, sc, tt == 0 ? next : w, (const void *const *)&ex->s_x[item0], nt, H, res);
             for (int t = 0; t < nt; t++) {
                 void *dst = ex->s_inter[item0 + t];
                 for (int q = 0; q < nj; q++) {
-                    float a = res[q * FT_TMAX + t] + (bias ? bias[jr[q]] : 0.0f);
+                    float a = res[q * FT_TMAX + t] * mul[q] + bias[q];
                     float v;
                     if (gated) {
-                        float u = res[(q + 2) * FT_TMAX + t] + (bias ? bias[jr[q + 2]] : 0.0f);
-                        v = activate(a, p->activation) * u;
+                        float u = res[(q + 2) * FT_TMAX + t] * mul[q + 2] + bias[q + 2];
+                        v = gated_act(p, a, u);
                     } else {
                         v = activate(a, p->activation);
                     }
@@ -858,17 +1318,27 @@ static void phase2_rows(ft_executor *ex, int64_t h0, int64_t h1) {
         for (int r = 0; r < task->n_rows; r++)
             memset(task->out + (size_t)r * task->out_row_stride + h0, 0,
                    (size_t)(h1 - h0) * sizeof(float));
-    const size_t row_bytes = (size_t)I * ex->esz;
+    const size_t row_bytes = ex->w2_row_bytes;
     float res[FT_ROWS * FT_TMAX];
     for (int gi = 0; gi < ex->n_groups; gi++) {
         const ft_group *g = &ex->groups[gi];
-        const uint8_t *base = (const uint8_t *)p->w2 + (size_t)g->expert * H * row_bytes;
-        const float *b2 = p->w2_bias ? p->w2_bias + (size_t)g->expert * H : NULL;
+        const int64_t e = g->expert;
+        const uint8_t *base = (const uint8_t *)p->w2 + (size_t)e * H * row_bytes;
+        const uint8_t *sbase =
+            p->format == FT_FMT_DENSE
+                ? NULL
+                : (const uint8_t *)p->w2_scale + (size_t)e * ex->s2_rows * ex->s2_row_bytes;
+        const float mul = p->format == FT_FMT_NVFP4 ? p->w2_scale_2[e] : 1.0f;
         for (int64_t h = h0; h < h1; h += FT_ROWS) {
             int nh = (int)(h1 - h < FT_ROWS ? h1 - h : FT_ROWS);
-            const void *w[FT_ROWS], *next[FT_ROWS];
+            const void *w[FT_ROWS], *next[FT_ROWS], *sc[FT_ROWS];
+            float b2[FT_ROWS];
             for (int r = 0; r < FT_ROWS; r++) {
-                w[r] = base + (size_t)(h + (r < nh ? r : nh - 1)) * row_bytes;
+                int64_t hr = h + (r < nh ? r : nh - 1);
+                w[r] = base + (size_t)hr * row_bytes;
+                sc[r] = sbase ? (const void *)(sbase + (size_t)(hr / ex->s2_div) * ex->s2_row_bytes)
+                              : NULL;
+                b2[r] = p->w2_bias ? bias_at(p->w2_bias, e * H + hr, p->bias_dtype) : 0.0f;
                 /* the next rows of this range, or the last ones again */
                 int64_t hn = h + FT_ROWS + r < h1 ? h + FT_ROWS + r : h1 - 1;
                 next[r] = base + (size_t)hn * row_bytes;
@@ -876,13 +1346,13 @@ static void phase2_rows(ft_executor *ex, int64_t h0, int64_t h1) {
             for (int tt = 0; tt < g->count; tt += k->tmax) {
                 int nt = g->count - tt < k->tmax ? g->count - tt : k->tmax;
                 int item0 = g->start + tt;
-                k->dot(w, tt == 0 ? next : w, (const void *const *)&ex->s_inter[item0], nt, I,
-                       res);
+                kdot(ex, w, sc, tt == 0 ? next : w, (const void *const *)&ex->s_inter[item0], nt,
+                     I, res);
                 for (int t = 0; t < nt; t++) {
                     float wt = ex->s_weights[item0 + t];
                     float *o = task->out + (size_t)ex->s_rows[item0 + t] * task->out_row_stride;
                     for (int r = 0; r < nh; r++)
-                        o[h + r] += wt * (res[r * FT_TMAX + t] + (b2 ? b2[h + r] : 0.0f));
+                        o[h + r] += wt * (res[r * FT_TMAX + t] * mul + b2[r]);
                 }
             }
         }
@@ -1067,12 +1537,79 @@ static int resolve_isa(int isa) {
     return isa;
 }
 
+/* The format-specific part of a pool's validation: 1 if valid. */
+static int pool_valid(const ft_pool_desc *p) {
+    if (p->activation < FT_ACT_SILU || p->activation > FT_ACT_SWIGLU_OAI ||
+        p->bias_dtype < FT_DTYPE_F32 || p->bias_dtype > FT_DTYPE_BF16)
+        return 0;
+    if (p->activation == FT_ACT_SWIGLU_OAI &&
+        (!p->gated || !(p->limit > 0.0f) || !isfinite(p->alpha) || !isfinite(p->limit)))
+        return 0;
+    switch (p->format) {
+    case FT_FMT_DENSE: return p->dtype >= FT_DTYPE_F32 && p->dtype <= FT_DTYPE_BF16;
+    case FT_FMT_FP8_BLOCK:
+        return p->w13_scale && p->w2_scale && p->block_n > 0 && p->block_k > 0 &&
+               (!p->w13_scale_split || (p->gated && !p->gate_up_interleaved));
+    case FT_FMT_MXFP4:
+        return p->w13_scale && p->w2_scale && p->hidden % 32 == 0 && p->inter % 32 == 0;
+    case FT_FMT_NVFP4:
+        return p->w13_scale && p->w2_scale && p->w13_scale_2 && p->w2_scale_2 &&
+               p->hidden % 16 == 0 && p->inter % 16 == 0 && p->w13_scale_2_n >= 0 &&
+               p->w13_scale_2_n <= (p->gated ? 2 : 1);
+    default: return 0;
+    }
+}
+
+/* Weight and scale geometry of the (validated) pool. */
+static void set_geometry(ft_executor *ex) {
+    ft_pool_desc *p = &ex->pool;
+    const int64_t H = p->hidden, I = p->inter, R = ex->up_rows;
+    ex->esz = p->format == FT_FMT_DENSE ? dtype_size(p->dtype) : 1;
+    ex->s13_div = ex->s2_div = 1;
+    ex->s13_rows = R;
+    ex->s2_rows = H;
+    ex->s13_up_first = 0;
+    switch (p->format) {
+    case FT_FMT_FP8_BLOCK: {
+        const int64_t bn = p->block_n, bk = p->block_k;
+        ex->w13_row_bytes = (size_t)H;
+        ex->w2_row_bytes = (size_t)I;
+        ex->s13_div = ex->s2_div = bn;
+        if (p->w13_scale_split) {
+            ex->s13_up_first = (I + bn - 1) / bn;
+            ex->s13_rows = 2 * ex->s13_up_first;
+        } else {
+            ex->s13_rows = (R + bn - 1) / bn;
+        }
+        ex->s2_rows = (H + bn - 1) / bn;
+        ex->s13_row_bytes = (size_t)((H + bk - 1) / bk) * sizeof(float);
+        ex->s2_row_bytes = (size_t)((I + bk - 1) / bk) * sizeof(float);
+        break;
+    }
+    case FT_FMT_MXFP4:
+    case FT_FMT_NVFP4: {
+        const int64_t gs = p->format == FT_FMT_MXFP4 ? 32 : 16;
+        ex->w13_row_bytes = (size_t)H / 2;
+        ex->w2_row_bytes = (size_t)I / 2;
+        ex->s13_row_bytes = (size_t)(H / gs);
+        ex->s2_row_bytes = (size_t)(I / gs);
+        if (p->format == FT_FMT_NVFP4 && p->w13_scale_2_n == 0) p->w13_scale_2_n = p->gated ? 2 : 1;
+        break;
+    }
+    default:
+        ex->w13_row_bytes = (size_t)H * ex->esz;
+        ex->w2_row_bytes = (size_t)I * ex->esz;
+        ex->s13_row_bytes = ex->s2_row_bytes = 0;
+        break;
+    }
+}
+
 int ft_executor_create(const ft_pool_desc *pool, int num_threads, int isa, int spin_us,
                        int pin_threads, ft_executor **out) {
     if (!pool || !out || !pool->w13 || !pool->w2 || pool->hidden <= 0 || pool->inter <= 0 ||
-        pool->n_experts <= 0 || pool->dtype < FT_DTYPE_F32 || pool->dtype > FT_DTYPE_BF16 ||
-        pool->activation < FT_ACT_SILU || pool->activation > FT_ACT_GELU_TANH)
+        pool->n_experts <= 0 || !pool_valid(pool))
         return FT_ERR_ARG;
+    pthread_once(&ft_lut_once, init_luts);
     int chosen = resolve_isa(isa);
     if (chosen < 0) return chosen;
     int n_cpus = 1, n_cores = 1;
@@ -1088,10 +1625,12 @@ int ft_executor_create(const ft_pool_desc *pool, int num_threads, int isa, int s
     memset(ex, 0, sizeof *ex);
     ex->pool = *pool;
     ex->pool.gated = pool->gated ? 1 : 0;
-    ex->esz = dtype_size(pool->dtype);
+    ex->pool.gate_up_interleaved = ex->pool.gated && pool->gate_up_interleaved ? 1 : 0;
+    ex->pool.w13_scale_split = pool->w13_scale_split ? 1 : 0;
     ex->up_rows = (int64_t)pool->inter * (ex->pool.gated ? 2 : 1);
+    set_geometry(ex);
     ex->isa = chosen;
-    ex->kern = select_kernel(chosen, pool->dtype);
+    ex->kern = select_kernel(chosen, pool->dtype, pool->format);
     ex->nthreads = num_threads;
     ex->dynamic = 1;
     ex->spin_us = spin_us < 0 ? FT_DEFAULT_SPIN_US : spin_us;
@@ -1153,7 +1692,7 @@ int ft_executor_set_isa(ft_executor *ex, int isa) {
     if (chosen < 0) return chosen;
     pthread_mutex_lock(&ex->run_lock);
     ex->isa = chosen;
-    ex->kern = select_kernel(chosen, ex->pool.dtype);
+    ex->kern = select_kernel(chosen, ex->pool.dtype, ex->pool.format);
     pthread_mutex_unlock(&ex->run_lock);
     return FT_OK;
 }

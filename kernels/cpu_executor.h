@@ -2,9 +2,12 @@
  * (paper §3.2 and §4.1, "graph-resident CPU execution").
  *
  * The pool's banks hold every routed expert under the flattened layer-expert id l*E + e:
- *   w13 [L*E, 2I, H]  (rows 0..I-1 gate, rows I..2I-1 up; [L*E, I, H] when not gated)
+ *   w13 [L*E, 2I, H]  (rows 0..I-1 gate, rows I..2I-1 up, or interleaved gate/up rows;
+ *                      [L*E, I, H] when not gated)
  *   w2  [L*E, H, I]
- *   optional fp32 biases w13_bias [L*E, 2I] (or [L*E, I]) and w2_bias [L*E, H].
+ *   optional biases w13_bias [L*E, 2I] (or [L*E, I]) and w2_bias [L*E, H] (fp32 or bf16),
+ * dense (f32/f16/bf16) or quantized (FP8 e4m3 with block scales, MXFP4, NVFP4: see
+ * FT_FMT_*), dequantized inside the kernels.
  * A call takes work items (token row, flat expert id, gate weight) and adds, in fp32,
  *   out[row, :] += weight * (w2 · act(gate(x[row]) + b_gate) * (up(x[row]) + b_up) + b2)
  * reading each weight byte once. A persistent pool of pinned worker threads splits every
@@ -28,12 +31,35 @@ extern "C" {
 /* Element types of weights and activations. */
 enum { FT_DTYPE_F32 = 0, FT_DTYPE_F16 = 1, FT_DTYPE_BF16 = 2 };
 
-/* Activation of the gate projection (gated) or of the single projection (not gated). */
-enum { FT_ACT_SILU = 0, FT_ACT_GELU_TANH = 1 };
+/* Activation of the gate projection (gated) or of the single projection (not gated).
+ * FT_ACT_SWIGLU_OAI (gated only; GPT-OSS, SGLang's Triton runner with gemm1_alpha): with
+ * g, u the gate and up projections plus their biases, g = min(g, limit),
+ * u = clamp(u, -limit, limit), h = g * sigmoid(alpha * g) * (u + 1). */
+enum { FT_ACT_SILU = 0, FT_ACT_GELU_TANH = 1, FT_ACT_SWIGLU_OAI = 2 };
+
+/* Weight formats (one per pool). The weights stay quantized in the banks and are
+ * dequantized inside the kernels (fp32 accumulation).
+ *   DENSE:     w13/w2 in ft_pool_desc.dtype.
+ *   FP8_BLOCK: w13/w2 float8_e4m3fn bytes; w13_scale fp32 [n_experts, ceil(R/block_n),
+ *              ceil(H/block_k)] (or [n_experts, 2*ceil(I/block_n), ceil(H/block_k)] with
+ *              w13_scale_split: gate and up rows blocked separately), w2_scale fp32
+ *              [n_experts, ceil(H/block_n), ceil(I/block_k)];
+ *              w[r, c] = e4m3(q[r, c]) * scale[r / block_n, c / block_k]. NaN codes
+ *              (0x7f, 0xff) are not detected.
+ *   MXFP4:     w13 uint8 [n_experts, R, H/2], w2 uint8 [n_experts, H, I/2], two e2m1 values
+ *              per byte (low nibble first); w13_scale uint8 e8m0 [n_experts, R, H/32],
+ *              w2_scale [n_experts, H, I/32]; w = e2m1(q) * 2^(s - 127). H, I % 32 == 0.
+ *   NVFP4:     w13/w2 packed e2m1 as MXFP4; w13_scale e4m3 [n_experts, R, H/16], w2_scale
+ *              e4m3 [n_experts, H, I/16]; w13_scale_2 fp32 [n_experts, w13_scale_2_n]
+ *              (2: index 0 for gate rows, 1 for up rows; 1: one per expert), w2_scale_2
+ *              fp32 [n_experts]; w = e2m1(q) * e4m3(s) * scale_2. H, I % 16 == 0.
+ * (R = gated ? 2I : I.) */
+enum { FT_FMT_DENSE = 0, FT_FMT_FP8_BLOCK = 1, FT_FMT_MXFP4 = 2, FT_FMT_NVFP4 = 3 };
 
 /* Kernel paths. AVX512 needs AVX-512 F/BW/VL/DQ; AVX512_BF16 also AVX512_BF16 and then
- * runs BF16 weights with vdpbf16ps (activations rounded to BF16); for FP16/FP32 weights it
- * is the AVX512 path. AUTO picks the best the CPU supports. */
+ * runs dense BF16 weights with vdpbf16ps (activations rounded to BF16); for FP16/FP32 and
+ * the quantized formats it is the AVX512 path (fp32 FMA). AUTO picks the best the CPU
+ * supports. */
 enum {
     FT_ISA_AUTO = 0,
     FT_ISA_PORTABLE = 1,
@@ -45,7 +71,7 @@ enum {
 /* Status codes (0 or negative). */
 enum {
     FT_OK = 0,
-    FT_ERR_ARG = -1,    /* a null pointer, a bad dtype/activation/size */
+    FT_ERR_ARG = -1,    /* a null pointer, a bad dtype/format/activation/size */
     FT_ERR_ROW = -2,    /* a token row outside [0, n_rows) */
     FT_ERR_EXPERT = -3, /* a flat expert id >= the pool's number of experts */
     FT_ERR_NOMEM = -4,  /* workspace or thread allocation failed */
@@ -62,14 +88,30 @@ typedef struct ft_executor ft_executor;
 typedef struct ft_pool_desc {
     const void *w13;        /* [n_experts, gated ? 2*inter : inter, hidden], weight dtype */
     const void *w2;         /* [n_experts, hidden, inter], weight dtype */
-    const float *w13_bias;  /* [n_experts, gated ? 2*inter : inter] fp32, or NULL */
-    const float *w2_bias;   /* [n_experts, hidden] fp32, or NULL */
+    const void *w13_bias;   /* [n_experts, gated ? 2*inter : inter] bias_dtype, or NULL */
+    const void *w2_bias;    /* [n_experts, hidden] bias_dtype, or NULL */
     int64_t n_experts;      /* L*E: rows of every bank */
     int32_t dtype;          /* FT_DTYPE_* of w13 and w2 */
     int32_t hidden;         /* H */
     int32_t inter;          /* I */
     int32_t gated;          /* 1: act(gate) * up; 0: act(up) */
     int32_t activation;     /* FT_ACT_* */
+    /* Appended fields: all zero / NULL is a dense pool as above. */
+    int32_t format;         /* FT_FMT_*; dtype is ignored unless FT_FMT_DENSE */
+    int32_t block_n;        /* FP8_BLOCK: rows of a scale block (> 0) */
+    int32_t block_k;        /* FP8_BLOCK: columns of a scale block (> 0) */
+    int32_t w13_scale_split; /* FP8_BLOCK, gated, not interleaved: w13_scale has
+                              * 2*ceil(I/block_n) block rows (gate, then up) */
+    const void *w13_scale;  /* block scales of w13 (see FT_FMT_*), NULL when dense */
+    const void *w2_scale;   /* block scales of w2 */
+    const float *w13_scale_2; /* NVFP4: fp32 [n_experts, w13_scale_2_n] */
+    const float *w2_scale_2;  /* NVFP4: fp32 [n_experts] */
+    int32_t w13_scale_2_n;  /* NVFP4: 1 or 2 (0: 2 when gated, else 1) */
+    int32_t bias_dtype;     /* FT_DTYPE_* of w13_bias and w2_bias (0: fp32) */
+    int32_t gate_up_interleaved; /* gated: 1, rows 2j / 2j+1 are gate j / up j; 0: gate
+                                  * rows 0..I-1, then up rows I..2I-1 */
+    float alpha;            /* FT_ACT_SWIGLU_OAI: sigmoid slope (GPT-OSS 1.702) */
+    float limit;            /* FT_ACT_SWIGLU_OAI: clamp limit (GPT-OSS 7.0), > 0 */
 } ft_pool_desc;
 
 /* One layer call, self-contained so that a CUDA host-function node can pass its address
