@@ -7,6 +7,7 @@ if anywhere, and the CPU-executed expert count proves the host-function path ran
 
     python benchmarks/gpu_equality.py --family qwen3_moe --miss-policies fill,qstar,cpu \
         --bandwidth 55,90 --out results.json
+    python benchmarks/gpu_equality.py --family deepseek_v3 --quant fp8_block  # FP8 experts
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ def main():
                          "borrowed), waves (a cache smaller than two layers), anchors_off "
                          "(hybrid families: no semantic anchors); a comma list, lru,reserved,"
                          "waves when bare")
+    ap.add_argument("--quant", default="none", choices=["none", "fp8_block"],
+                    help="fp8_block: the routed experts quantized to FP8 with [128, 128] block "
+                         "scales (freetoken_sglang/tiny_quant.py); stock and FreeToken both "
+                         "serve that checkpoint")
     ap.add_argument("--stock-args", default="{}",
                     help="JSON of extra sglang.Engine keywords for stock SGLang, e.g. "
                          "'{\"disable_shared_experts_fusion\": true}' (FreeToken sets it)")
@@ -115,6 +120,10 @@ def main():
                   moe_intermediate_size=128),
         dtype="bfloat16",
     )
+    if a.quant == "fp8_block":
+        from freetoken_sglang.tiny_quant import write_fp8_block
+
+        path, _ = write_fp8_block(path, path + "-fp8", path + "-fp8-twin", block=(128, 128))
     policies = [p for p in a.miss_policies.split(",") if p]
     for p in policies:
         if p not in ("fill", "qstar", "cpu"):
@@ -147,6 +156,7 @@ def main():
         div = divergence(stock, ft)
         result = {
             "family": a.family,
+            "quant": a.quant,
             "miss_policy": policy,
             "extra": more,
             "prompts": len(PROMPTS),

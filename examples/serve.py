@@ -4,7 +4,7 @@ locally when no ``--model-path`` is given.
     python examples/serve.py                          # tiny random Qwen3-MoE, 25% cache
     python examples/serve.py --model-path Qwen/Qwen3-30B-A3B --freetoken-cache-gb 8
 
-Every other argument goes to ``python -m sglang.launch_server`` unchanged. Without an NVIDIA
+Every other argument goes to ``sglang serve`` unchanged. Without an NVIDIA
 GPU the server runs on the CPU (the README's CPU recipe: CPU engine, torch-native attention,
 no CUDA graphs, the tests' stand-in ``sgl_kernel``), which is how the example runs on a
 machine with no GPU.
@@ -44,8 +44,10 @@ def main(argv=None) -> None:
             dtype="bfloat16" if on_gpu else "float32",
         )
         print(f"example model: {model} (tiny random Qwen3-MoE, 6 layers x 16 experts)")
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model,
-           "--port", args.port, "--enable-freetoken"]
+    # SGLang's recommended entry point (``python -m sglang.launch_server`` warns that it is
+    # the old one); both take the same flags.
+    cmd = [sys.executable, "-c", "from sglang.cli.main import main; main()", "serve",
+           "--model-path", model, "--port", args.port, "--enable-freetoken"]
     if not any(a.startswith("--freetoken-cache-") for a in rest):
         cmd += ["--freetoken-cache-ratio", "0.25"]
     env = dict(os.environ)

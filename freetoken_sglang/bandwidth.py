@@ -135,15 +135,13 @@ def measure_fill(
     return total / (time.perf_counter() - t0) / 1e9
 
 
-def measure_executor(executor, hidden: int, dtype: torch.dtype, experts_per_call: int = 4,
-                     seconds: float = 1.0) -> float:
+def measure_executor(executor, hidden: int, dtype: torch.dtype, expert_bytes: int,
+                     experts_per_call: int = 4, seconds: float = 1.0) -> float:
     """B_H in GB/s: decode-like calls (one token, ``experts_per_call`` random experts) of the
-    CPU executor over its banks; bytes of the distinct experts read per second."""
+    CPU executor over its banks; bytes of the distinct experts read per second
+    (``expert_bytes``: one expert's bytes in the pool, scales included)."""
     rng = random.Random(1)
     n_experts = executor.num_experts
-    expert_bytes = (
-        executor.hidden_size * executor.intermediate_size * (3 if executor.gated else 2)
-    ) * torch.empty((), dtype=executor.dtype).element_size()
     x = torch.randn(1, hidden).to(dtype)
     out = torch.zeros(1, hidden, dtype=torch.float32)
     k = min(experts_per_call, n_experts)
@@ -182,7 +180,7 @@ def resolve(
     )
     t0 = time.perf_counter()
     b_p = measure_fill(pool.banks, pool.device_banks, device)
-    b_h = measure_executor(executor, hidden, act_dtype)
+    b_h = measure_executor(executor, hidden, act_dtype, pool.expert_bytes)
     entry = {
         "B_P": b_p,
         "B_H": b_h,

@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
+from freetoken_sglang.errors import RefusedError
+
 logger = logging.getLogger(__name__)
 
 # ServerArgs attribute that carries the config to every process (None: FreeToken is off).
@@ -49,6 +51,18 @@ def _bandwidth(text: str):
         return parse_flag(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e))
+
+
+def _ftw_dir(text: str) -> str:
+    """An argparse type: an existing directory (its manifest is checked at start)."""
+    import os
+
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a directory; write one with python -m freetoken_sglang.convert "
+            "--model-path M --out DIR"
+        )
+    return text
 
 
 def _choice(*options):
@@ -253,6 +267,17 @@ class FreeTokenConfig:
             "benchmarks/replay.py). Off by default, and free when off.",
         ),
     )
+    ftw: Optional[str] = field(
+        default=None,
+        metadata=dict(
+            type=_ftw_dir,
+            help="Load the host expert pool from this FTW directory (written by python -m "
+            "freetoken_sglang.convert --model-path M --out DIR): the checkpoint's routed-expert "
+            "tensors are skipped, and the banks are read with parallel direct I/O and "
+            "checksummed; the other weights load from --model-path as usual. A directory "
+            "that does not match the served model, or is corrupt, is refused at start.",
+        ),
+    )
 
 
     def anchors_enabled(self, hybrid: bool) -> bool:
@@ -311,7 +336,7 @@ def _validated(name: str, value: Any) -> Any:
     try:
         return f.metadata["type"](str(value))
     except argparse.ArgumentTypeError as e:
-        raise ValueError(f"{kwarg_name(name)}={value!r}: {e}") from None
+        raise RefusedError(f"{kwarg_name(name)}={value!r}: {e}") from None
 
 
 def pop_config(kwargs: Dict[str, Any]) -> Optional[FreeTokenConfig]:
@@ -327,7 +352,7 @@ def pop_config(kwargs: Dict[str, Any]) -> Optional[FreeTokenConfig]:
     given = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith("freetoken_")}
     unknown = sorted(set(given) - set(names))
     if unknown:
-        raise ValueError(
+        raise RefusedError(
             f"unknown FreeToken option(s) {unknown}; known: {sorted(names)}"
         )
     values = {names[k]: _validated(names[k], v) for k, v in given.items()}
@@ -335,14 +360,14 @@ def pop_config(kwargs: Dict[str, Any]) -> Optional[FreeTokenConfig]:
     non_default = {k for k, v in values.items() if v != defaults[k]}
     if not enable:
         if non_default:
-            raise ValueError(
+            raise RefusedError(
                 f"{sorted(kwarg_name(k) for k in non_default)} given without "
                 "enable_freetoken=True (--enable-freetoken); add it or drop them"
             )
         return None
     sizes = [k for k in ("cache_gb", "cache_ratio", "cache_slots") if values.get(k)]
     if len(sizes) > 1:
-        raise ValueError(
+        raise RefusedError(
             f"give at most one cache size, got {[kwarg_name(k) for k in sizes]}"
         )
     cfg = FreeTokenConfig(**values)
@@ -393,7 +418,7 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
         except ValueError as e:
             problems.append(str(e))
     if problems:
-        raise ValueError("; ".join(problems))
+        raise RefusedError("; ".join(problems))
 
 
 def _choose_chunk(kwargs: Dict[str, Any], cfg: Optional[FreeTokenConfig]) -> None:
@@ -462,7 +487,7 @@ def _anchor_overrides(kwargs: Dict[str, Any], cfg: FreeTokenConfig) -> None:
                  if n != "anchors" or cfg.anchors == "on"
                  if getattr(cfg, n) != getattr(defaults, n)]
         if tuned and hybrid is False:
-            raise ValueError(
+            raise RefusedError(
                 f"{', '.join(cli_name(n) for n in tuned)} applies to hybrid models "
                 "(Qwen3-Next, Qwen3.5-MoE) only: drop it"
             )
@@ -488,7 +513,7 @@ def _anchor_overrides(kwargs: Dict[str, Any], cfg: FreeTokenConfig) -> None:
             f"not {strategy}"
         )
     if problems:
-        raise ValueError(
+        raise RefusedError(
             "--enable-freetoken: semantic anchors (on by default for hybrid models): "
             + "; ".join(problems) + "; or pass --freetoken-anchors off"
         )
@@ -515,10 +540,14 @@ def apply_server_args_overrides(
         if (kwargs.get(name) or 1) != 1:
             problems.append(f"--{name.replace('_', '-')} must be 1 (one GPU)")
     if kwargs.get("quantization"):
-        problems.append(
-            f"--quantization {kwargs['quantization']} is not supported yet: FreeToken "
-            "serves BF16, FP16 and FP32 experts"
-        )
+        from freetoken_sglang.experts.formats import QUANTIZATIONS
+
+        if kwargs["quantization"] not in QUANTIZATIONS:
+            problems.append(
+                f"--quantization {kwargs['quantization']} is not served yet: FreeToken "
+                f"serves BF16, FP16 and FP32 experts and checkpoints quantized as "
+                f"{', '.join(sorted(QUANTIZATIONS))} (FP8 with block scales)"
+            )
     if kwargs.get("cpu_offload_gb"):
         problems.append("--cpu-offload-gb cannot be combined with --enable-freetoken")
     if kwargs.get("enable_eplb"):
@@ -554,7 +583,7 @@ def apply_server_args_overrides(
     if (kwargs.get("disaggregation_mode") or "null") != "null":
         problems.append("prefill/decode disaggregation is not supported")
     if problems:
-        raise ValueError("--enable-freetoken: " + "; ".join(problems))
+        raise RefusedError("--enable-freetoken: " + "; ".join(problems))
     _choose_chunk(kwargs, cfg)
     if cfg is not None:
         _anchor_overrides(kwargs, cfg)

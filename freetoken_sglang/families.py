@@ -7,10 +7,12 @@ MoE layer is built. A model outside this table fails at start and names itself.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
+
+from freetoken_sglang.errors import RefusedError
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(RefusedError):
     """The checkpoint's architecture or format is not served by FreeToken yet."""
 
 
@@ -81,8 +83,8 @@ def family_of(hf_config) -> tuple:
     """(family name, MoE layer rule) of the checkpoint.
 
     Raises:
-        UnsupportedModelError: the architecture is not in ``SUPPORTED``, or the checkpoint is
-            quantized.
+        UnsupportedModelError: the architecture is not in ``SUPPORTED``, or the checkpoint's
+            quantization is not served (``quantization_problem``).
     """
     archs = list(getattr(hf_config, "architectures", None) or [])
     for arch in archs:
@@ -93,15 +95,32 @@ def family_of(hf_config) -> tuple:
             f"--enable-freetoken does not support the architecture {archs or '(none)'} "
             f"yet; supported: {', '.join(sorted(SUPPORTED))}"
         )
-    quant = getattr(hf_config, "quantization_config", None)
+    quant = getattr(text_config(hf_config), "quantization_config", None) or getattr(
+        hf_config, "quantization_config", None
+    )
     if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise UnsupportedModelError(
-            f"--enable-freetoken does not support quantized checkpoints yet "
-            f"({arch} with quantization {method!r}); serve a BF16, FP16 or FP32 "
-            "checkpoint"
-        )
+        problem = quantization_problem(quant)
+        if problem:
+            raise UnsupportedModelError(f"--enable-freetoken: {arch}: {problem}")
     return SUPPORTED[arch]
+
+
+def quantization_problem(quant) -> Optional[str]:
+    """Why a checkpoint's ``quantization_config`` is not served, or None when an expert
+    format (``experts/formats.py``) serves it. Only the config is read here; the MoE layer's
+    own method is checked again when it is built (``patches/moe_layer.py``)."""
+    from freetoken_sglang.experts.formats import QUANTIZATIONS
+
+    q = quant if isinstance(quant, dict) else getattr(quant, "to_dict", lambda: {})()
+    method = q.get("quant_method")
+    served = ", ".join(sorted(QUANTIZATIONS))
+    if method not in QUANTIZATIONS:
+        return (f"quantization {method!r} is not served yet (served: BF16, FP16, FP32 and "
+                f"{served}); serve a checkpoint in one of those")
+    if method == "fp8" and not q.get("weight_block_size"):
+        return ("FP8 without weight_block_size (per-tensor scales) is not served yet; FP8 "
+                "with block scales (e.g. [128, 128]) is")
+    return None
 
 
 def check_model_path(model_path: str, trust_remote_code: bool = False, revision=None) -> None:

@@ -1,6 +1,7 @@
 """The fused-MoE method that serves a ``FusedMoE`` layer from the host pool and the GPU cache.
 
-It replaces the layer's ``UnquantizedFusedMoEMethod`` (``patches/moe_layer.py``). Its
+It replaces the layer's SGLang MoE method of a served format (``experts/formats.py``;
+``patches/moe_layer.py``). Its
 parameters are views of the layer's rows in the host pool, so checkpoint loading writes
 straight into the final host layout; its ``apply`` hands each layer call to one executor
 (``execute/``), which runs SGLang's own MoE kernels over the slots (paper §3.1-3.2).
@@ -11,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from freetoken_sglang.execute.contract import LayerCall
-from freetoken_sglang.pool import bank_specs_for_layer
 
 try:  # SGLang 0.5.17: sglang/srt/layers/quantization/base_config.py
     from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
@@ -27,14 +27,19 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
 
     Args:
         runtime: the process's ``FreeTokenRuntime``.
-        base_method: the layer's original ``UnquantizedFusedMoEMethod``; it still builds the
-            layer's MoE runner config, so the math and flags match stock SGLang.
+        base_method: the layer's original SGLang method (``UnquantizedFusedMoEMethod``,
+            ``Fp8MoEMethod``, ...); it still creates the parameters and builds the MoE runner
+            config, so the layouts, math and flags match stock SGLang.
+        fmt: the ``ExpertFormat`` of ``base_method`` (``experts/formats.py``).
+        create_weights_original: ``base_method``'s unhooked ``create_weights``.
     """
 
-    def __init__(self, runtime, base_method):
+    def __init__(self, runtime, base_method, fmt, create_weights_original):
         torch.nn.Module.__init__(self)
         self.runtime = runtime
         self.base_method = base_method
+        self.format = fmt
+        self._create_weights_original = create_weights_original
         self.ordinal = -1
         self.num_experts = 0
         self.moe_runner_config = None
@@ -50,26 +55,59 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         with_bias: bool = False,
         **extra_weight_attrs,
     ):
-        """Register ``w13_weight [E, 2I, H]``, ``w2_weight [E, H, I]`` (and biases) as views of
-        the layer's rows of the host pool banks, with SGLang's weight-loader attributes."""
-        from sglang.srt.utils import set_weight_attrs
+        """Register the layer's expert parameters as views of its rows of the host pool.
 
-        specs = bank_specs_for_layer(
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size_per_partition,
-            dtype=params_dtype,
-            is_gated=layer.moe_runner_config.is_gated,
-            with_bias=with_bias,
+        SGLang's own method (``base_method``) creates them first on the meta device, so their
+        names, shapes, dtypes and weight-loader attributes are exactly stock SGLang's; each
+        ``[E, ...]`` parameter becomes a pool bank (``experts/formats.py`` checks them).
+
+        Raises:
+            UnsupportedModelError: the parameters are not the banks the format describes.
+        """
+        from freetoken_sglang.families import UnsupportedModelError
+
+        reason = self.format.supports(self.base_method)
+        if reason:
+            raise UnsupportedModelError(f"--enable-freetoken ({self.format.label} experts): {reason}")
+        before = set(layer._parameters)
+        try:
+            with torch.device("meta"):
+                self._create_weights_original(
+                    self.base_method,
+                    layer,
+                    num_experts,
+                    hidden_size,
+                    intermediate_size_per_partition,
+                    params_dtype,
+                    with_bias=with_bias,
+                    **extra_weight_attrs,
+                )
+        except (ValueError, AssertionError) as e:  # SGLang's own checks of the layer's shapes
+            raise UnsupportedModelError(
+                f"--enable-freetoken ({self.format.label} experts): SGLang's "
+                f"{type(self.base_method).__name__} refuses MoE layer {layer.layer_id}: "
+                f"{e or type(e).__name__}"
+            ) from e
+        params = {
+            n: p for n, p in layer._parameters.items() if n not in before and p is not None
+        }
+        specs = self.format.check_banks(
+            self.base_method, layer, params, num_experts, hidden_size,
+            intermediate_size_per_partition, params_dtype, with_bias,
         )
         pool = self.runtime.pool_for_layer(layer, num_experts, specs)
         self.ordinal = pool.ordinal(layer.layer_id)
         self.num_experts = num_experts
-        extra_weight_attrs.pop("moe_intermediate_size", None)
-        for name in specs:
+        for name, meta in params.items():
             param = torch.nn.Parameter(pool.layer_rows(name, layer.layer_id), requires_grad=False)
+            param.__dict__.update(meta.__dict__)  # weight_loader, quant_method, ... as SGLang set
             layer.register_parameter(name, param)
-            set_weight_attrs(param, extra_weight_attrs)
         self.runtime.register_layer(layer, self)
+
+    @property
+    def triton_quant(self):
+        """The format's quantization arguments of SGLang's Triton MoE kernels."""
+        return self.format.triton(self.base_method)
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config):
         self.moe_runner_config = moe_runner_config

@@ -1,7 +1,8 @@
 """The host expert pool: every routed expert of every MoE layer, in host memory (paper §3, §4.2).
 
 The pool is the source of truth; the GPU holds only copies. Experts are stored as banks (one
-tensor per expert weight kind: ``w13``, ``w2``, and bias banks when the model has them) whose
+tensor per expert weight kind: ``w13``, ``w2``, their scales for a quantized checkpoint and
+bias banks when the model has them, as ``experts/formats.py`` describes) whose
 leading index is the flattened layer–expert id ``l*E + e``, where ``l`` is the MoE layer's
 ordinal (0 for the first MoE layer) and ``e`` its local expert id. Row ``l*E + e`` of every
 bank together forms one complete expert.
@@ -182,8 +183,10 @@ class HostExpertPool:
     @staticmethod
     def _uva_view(bank: torch.Tensor) -> torch.Tensor:
         """A CUDA tensor aliasing the pinned host bank (device reads go over PCIe)."""
-        raw = bank.view(torch.int16) if bank.element_size() == 2 else bank.view(torch.int32)
-        typestr = "<i2" if bank.element_size() == 2 else "<i4"
+        raw, typestr = {
+            1: (torch.uint8, "|u1"), 2: (torch.int16, "<i2"), 4: (torch.int32, "<i4")
+        }[bank.element_size()]
+        raw = bank.view(raw)
         alias = torch.as_tensor(
             _UvaArray(raw.data_ptr(), tuple(raw.shape), typestr), device="cuda"
         )

@@ -62,7 +62,7 @@ def main(argv=None) -> None:
         pool.pin()
     with CpuExpertExecutor(pool.banks, num_threads=a.threads) as ex:
         b_p = bandwidth.measure_fill(pool.banks, pool.device_banks, device)
-        b_h = bandwidth.measure_executor(ex, int(families.text_config(hf_config).hidden_size), pool.specs["w13_weight"].dtype)
+        b_h = bandwidth.measure_executor(ex, int(families.text_config(hf_config).hidden_size), pool.specs["w13_weight"].dtype, pool.expert_bytes)
         shape = bandwidth.expert_shape(pool.specs["w13_weight"])
         key = bandwidth.machine_key(device, ex.num_threads, shape)
         entry = {

@@ -167,6 +167,13 @@ class FreeTokenRuntime:
             sa.max_running_requests or 0,
             1,
         )
+        # -- FTW (--freetoken-ftw): the pool's banks from the converted directory, before the pin
+        ftw_report = {}
+        if getattr(self.config, "ftw", None):
+            from freetoken_sglang.experts import ftw
+
+            ftw_report = ftw.load_for_runtime(self, model_runner)
+        # -- end FTW
         t0 = time.perf_counter()
         pinned = False
         if self.device.type == "cuda" and self.backend == "gpu":
@@ -227,6 +234,7 @@ class FreeTokenRuntime:
             "pool_bytes": self.pool.nbytes,
             "cache_bytes": self.cache.nbytes,
             "pinned": pinned,
+            **ftw_report,  # FTW: its load time, bytes, threads and I/O mode
         }
         logger.info(
             "FreeToken: %s, routed experts in host memory (%s); backend %s; GPU expert "
@@ -278,9 +286,12 @@ class FreeTokenRuntime:
         from freetoken_sglang.cpu_branch import CpuBranch
         from freetoken_sglang.cpu_executor import CpuExpertExecutor
 
-        activation = self.layers[self.moe_layer_ids[0]].moe_runner_config.activation
+        method = self.layers[self.moe_layer_ids[0]]  # its FreeTokenMoEMethod
         self.executor = CpuExpertExecutor(
-            self.pool.banks, activation=activation, num_threads=self.config.cpu_threads
+            self.pool.banks,
+            activation=method.moe_runner_config.activation,
+            num_threads=self.config.cpu_threads,
+            **method.format.executor_kwargs(method.base_method),
         )
         rows = max_tokens if self.backend == "cpu" else SPLIT_MAX_TOKENS
         self.cpu_branch = CpuBranch(

@@ -26,8 +26,10 @@ def all_hooks() -> List[Hook]:
     """Every hook of every patch module, in registration order."""
     from freetoken_sglang.patches import (
         cuda_graph,
+        engine,
         gdn_backend,
         http_server,
+        metrics,
         model_loader,
         model_runner,
         moe_layer,
@@ -49,6 +51,8 @@ def all_hooks() -> List[Hook]:
         radix_cache,
         gdn_backend,
         http_server,
+        engine,
+        metrics,
     ):
         hooks.extend(module.HOOKS)
     return hooks

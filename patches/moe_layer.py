@@ -1,11 +1,14 @@
 """Hooks into SGLang 0.5.17's MoE layer (``sglang.srt.layers.moe.fused_moe_triton.layer``).
 
-- ``FusedMoE.__init__`` (around): refuses quantized MoE layers with a message that names the
-  quantization, and marks the layer being built, keeping ``FusedMoE``'s class identity.
-- ``UnquantizedFusedMoEMethod.create_weights`` (around; in
-  ``sglang.srt.layers.quantization.unquant``): for a layer marked above, installs
-  ``FreeTokenMoEMethod`` as the layer's ``quant_method`` instead, so no expert weight is ever
-  allocated on the GPU.
+- ``FusedMoE.__init__`` (around): refuses MoE layers of a quantization no expert format
+  serves (``experts/formats.py``), with a message that names it; marks the layer being built,
+  keeping ``FusedMoE``'s class identity; and checks afterwards that FreeToken took the layer
+  over (never a silent fallback to stock SGLang's GPU-resident experts).
+- ``create_weights`` of each format's SGLang method (around;
+  ``UnquantizedFusedMoEMethod`` in ``sglang.srt.layers.quantization.unquant``,
+  ``Fp8MoEMethod`` in ``sglang.srt.layers.quantization.fp8``): for a layer marked above,
+  installs ``FreeTokenMoEMethod`` as the layer's ``quant_method`` instead, so no expert weight
+  is ever allocated on the GPU.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import contextvars
 import inspect
 
+from freetoken_sglang.experts.formats import FORMATS, QUANTIZATIONS
 from freetoken_sglang.patches import Hook
 
 _building: contextvars.ContextVar = contextvars.ContextVar(
@@ -21,6 +25,7 @@ _building: contextvars.ContextVar = contextvars.ContextVar(
 
 
 def fused_moe_init(original, self, *args, **kwargs):
+    from freetoken_sglang.families import UnsupportedModelError
     from freetoken_sglang.runtime import get_runtime
 
     rt = get_runtime()
@@ -28,33 +33,45 @@ def fused_moe_init(original, self, *args, **kwargs):
         return original(self, *args, **kwargs)
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     quant_config = bound.arguments.get("quant_config")
-    if quant_config is not None:
-        from freetoken_sglang.families import UnsupportedModelError
-
+    if quant_config is not None and quant_config.get_name() not in QUANTIZATIONS:
         raise UnsupportedModelError(
-            f"--enable-freetoken does not support quantized MoE layers yet "
-            f"({rt.family} with quantization {quant_config.get_name()!r}); serve a BF16, "
-            "FP16 or FP32 checkpoint"
+            f"--enable-freetoken does not serve {quant_config.get_name()!r} MoE layers yet "
+            f"({rt.family}); served: unquantized (BF16, FP16, FP32) and "
+            f"{', '.join(sorted(QUANTIZATIONS))}"
         )
     token = _building.set(self)
     try:
-        return original(self, *args, **kwargs)
+        result = original(self, *args, **kwargs)
     finally:
         _building.reset(token)
-
-
-def unquant_create_weights(original, method, *args, **kwargs):
-    layer = kwargs.get("layer", args[0] if args else None)
-    if layer is None or _building.get() is not layer:
-        return original(method, *args, **kwargs)
     from freetoken_sglang.moe_method import FreeTokenMoEMethod
-    from freetoken_sglang.runtime import get_runtime
 
-    ft_method = FreeTokenMoEMethod(get_runtime(), method)
-    layer.quant_method = ft_method
-    kwargs.pop("layer", None)
-    rest = args[1:] if args else ()
-    return ft_method.create_weights(layer, *rest, **kwargs)
+    if not isinstance(getattr(self, "quant_method", None), FreeTokenMoEMethod):
+        method = type(getattr(self, "quant_method", None)).__name__
+        raise UnsupportedModelError(
+            f"--enable-freetoken does not serve MoE layers whose SGLang method is {method} "
+            f"yet ({rt.family}, layer {getattr(self, 'layer_id', '?')}); served formats: "
+            f"{', '.join(FORMATS)}"
+        )
+    return result
+
+
+def _take_over(fmt):
+    def create_weights(original, method, *args, **kwargs):
+        layer = kwargs.get("layer", args[0] if args else None)
+        if layer is None or _building.get() is not layer:
+            return original(method, *args, **kwargs)
+        from freetoken_sglang.moe_method import FreeTokenMoEMethod
+        from freetoken_sglang.runtime import get_runtime
+
+        ft_method = FreeTokenMoEMethod(get_runtime(), method, fmt, original)
+        layer.quant_method = ft_method
+        kwargs.pop("layer", None)
+        rest = args[1:] if args else ()
+        return ft_method.create_weights(layer, *rest, **kwargs)
+
+    create_weights.__name__ = f"create_weights_{fmt.label}"
+    return create_weights
 
 
 HOOKS = [
@@ -63,9 +80,7 @@ HOOKS = [
         fused_moe_init,
         "around",
     ),
-    Hook(
-        "sglang.srt.layers.quantization.unquant.UnquantizedFusedMoEMethod.create_weights",
-        unquant_create_weights,
-        "around",
-    ),
+] + [
+    Hook(fmt.method.replace(":", ".") + ".create_weights", _take_over(fmt), "around")
+    for fmt in FORMATS.values()
 ]

@@ -2,10 +2,13 @@
 
 - ``scheduler.Scheduler.get_internal_state`` (after): adds the runtime's stats under
   ``"freetoken"``, which is how ``GET /freetoken/stats`` and ``Engine.get_server_info()``
-  reach the scheduler process.
-- ``scheduler.Scheduler.__init__`` (after): gives the semantic anchors (hybrid models) the
+  reach the scheduler process; with ``--enable-metrics`` the Prometheus series then follow
+  that document (``observe.metrics.follow``, ``patches/metrics.py``).
+- ``scheduler.Scheduler.__init__`` (around): gives the semantic anchors (hybrid models) the
   scheduler's radix cache and sizes their state budget from its mamba pool
-  (``anchors.book.Anchors.attach``).
+  (``anchors.book.Anchors.attach``); a FreeToken refusal while the scheduler builds ends the
+  process with its one-line message for the launcher (``freetoken_sglang.errors``), no
+  traceback.
 - ``scheduler.Scheduler.run_batch`` (around): an extend whose anchors take their states
   inside the forward reserves their mamba slots first (``anchors.inside.reserve``).
 - ``scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats``
@@ -15,7 +18,9 @@
 from __future__ import annotations
 
 import logging
+import os
 
+from freetoken_sglang.errors import RefusedError
 from freetoken_sglang.patches import Hook
 
 logger = logging.getLogger(__name__)
@@ -28,6 +33,11 @@ def get_internal_state(result, self, *args, **kwargs):
     state = getattr(result, "internal_state", None)  # GetInternalStateReqOutput
     if rt is not None and isinstance(state, dict):
         state["freetoken"] = rt.stats()
+        # --- Prometheus (--enable-metrics): /metrics follows the document just read
+        from freetoken_sglang.observe.metrics import follow
+
+        follow(state["freetoken"])
+        # --- (observe/metrics.py, patches/metrics.py)
     return result
 
 
@@ -43,14 +53,14 @@ def scheduler_init(result, self, *args, **kwargs):
     cache = self.tree_cache
     pool = getattr(self.req_to_token_pool, "mamba_pool", None)
     if not isinstance(cache, UnifiedRadixCache) or pool is None:
-        raise RuntimeError(
+        raise RefusedError(
             f"--enable-freetoken: semantic anchors need SGLang's hybrid radix cache "
             f"(UnifiedRadixCache with a mamba pool), got {type(cache).__name__}; pass "
             "--freetoken-anchors off"
         )
     strategy = self.server_args.mamba_radix_cache_strategy
     if strategy != "no_buffer":
-        raise RuntimeError(
+        raise RefusedError(
             f"--enable-freetoken: semantic anchors need --mamba-radix-cache-strategy "
             f"no_buffer (a state at each chunk end), the server resolved {strategy}: pass "
             "--mamba-radix-cache-strategy no_buffer --disable-overlap-schedule, or "
@@ -63,6 +73,25 @@ def scheduler_init(result, self, *args, **kwargs):
     an.attach(cache, pool.size, self.max_running_requests, int(self.max_total_num_tokens),
               experts_on_gpu=on_gpu, linear_layers=len(self.req_to_token_pool.mamba_map))
     return None
+
+
+def scheduler_init_refusal(original, self, server_args, *args, **kwargs):
+    """A FreeToken refusal while the scheduler builds (model, format, cache size) ends this
+    process with the message left for the launcher (``patches/engine.py``), not SGLang's
+    traceback and SIGQUIT (kept with ``--log-level debug``)."""
+    from freetoken_sglang import errors
+
+    try:
+        original(self, server_args, *args, **kwargs)
+        scheduler_init(None, self)
+    except errors.RefusedError as e:
+        if (getattr(server_args, "freetoken", None) is None
+                or getattr(server_args, "log_level", None) == "debug"):
+            raise
+        logger.error("FreeToken refused to start: %s", e)
+        errors.leave_note(str(e))
+        logging.shutdown()
+        os._exit(errors.EXIT_REFUSED)
 
 
 def run_batch(original, self, batch, *args, **kwargs):
@@ -99,7 +128,7 @@ def report_decode_stats(result, self, *args, **kwargs):
 
 
 HOOKS = [
-    Hook("sglang.srt.managers.scheduler.Scheduler.__init__", scheduler_init, "after"),
+    Hook("sglang.srt.managers.scheduler.Scheduler.__init__", scheduler_init_refusal, "around"),
     Hook("sglang.srt.managers.scheduler.Scheduler.run_batch", run_batch, "around"),
     Hook(
         "sglang.srt.managers.scheduler.Scheduler.get_internal_state",

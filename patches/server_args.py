@@ -2,7 +2,9 @@
 
 - ``ServerArgs.add_cli_args`` (after): adds ``--enable-freetoken`` and ``--freetoken-*``.
 - ``ServerArgs.from_cli_args`` (around): carries the parsed flags, which are not dataclass
-  fields, into the constructor.
+  fields, into the constructor; a FreeToken refusal (``errors.RefusedError``) ends the
+  command with its one-line message and exit code 2, no traceback (kept with
+  ``--log-level debug``).
 - ``ServerArgs.__init__`` (around): takes ``enable_freetoken`` / ``freetoken_*`` keywords
   (so ``sglang.Engine(enable_freetoken=True, freetoken_cache_ratio=0.25)`` works), applies
   the ServerArgs changes the mode needs before SGLang's ``__post_init__``, refuses an
@@ -13,8 +15,10 @@
 from __future__ import annotations
 
 import contextvars
+import sys
 
 from freetoken_sglang import config as ft_config
+from freetoken_sglang.errors import EXIT_REFUSED, RefusedError
 from freetoken_sglang.patches import Hook
 
 _cli_flags: contextvars.ContextVar = contextvars.ContextVar(
@@ -34,9 +38,19 @@ def from_cli_args(original, cls, args):
     }
     token = _cli_flags.set(flags)
     try:
-        return original(cls, args)
+        server_args = original(cls, args)
+    except RefusedError as e:
+        if getattr(args, "log_level", None) == "debug":
+            raise
+        sys.stderr.write(f"FreeToken refused to start: {e}\n")
+        sys.exit(EXIT_REFUSED)
     finally:
         _cli_flags.reset(token)
+    if getattr(server_args, ft_config.SERVER_ARGS_ATTR, None) is not None:
+        from freetoken_sglang.patches.engine import LAUNCHED_FROM_CLI
+
+        LAUNCHED_FROM_CLI["value"] = True
+    return server_args
 
 
 def server_args_init(original, self, *args, **kwargs):
@@ -46,7 +60,10 @@ def server_args_init(original, self, *args, **kwargs):
         kwargs.update(pending)
     cfg = ft_config.pop_config(kwargs)
     if cfg is not None:
+        from freetoken_sglang.errors import take_note
         from freetoken_sglang.plugin import check_hooks_applied
+
+        take_note()  # a note an earlier launch of this pid left is not this launch's
 
         check_hooks_applied()
         kwargs = ft_config.apply_server_args_overrides(kwargs, cfg)

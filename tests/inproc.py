@@ -39,7 +39,7 @@ def load_model_runner(model_path: str, **server_kwargs):
     from sglang.srt.server_args import PortArgs, ServerArgs
 
     sa = ServerArgs(
-        model_path=model_path, max_total_tokens=1024, **CPU_SERVER_ARGS, **server_kwargs
+        model_path=model_path, max_total_tokens=1024, **{**CPU_SERVER_ARGS, **server_kwargs}
     )
     publish(sa, role="test")
     initialize_moe_config(sa)
@@ -49,7 +49,7 @@ def load_model_runner(model_path: str, **server_kwargs):
 
 _EXPERT = re.compile(
     r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-    r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+    r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|weight_scale_inv)$"
 )
 _KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
@@ -73,18 +73,22 @@ def check_pool_layout(model_path: str, **kw) -> dict:
             if not m:
                 continue
             layer, expert, kind = int(m.group(1)), int(m.group(2)), _KIND[m.group(3)]
-            want = f.get_tensor(key).float()
+            suffix = "" if m.group(4) == "weight" else "_scale_inv"
+            want = f.get_tensor(key)
             row = pool.ordinal(layer) * E + expert
-            I = pool.specs["w2_weight"].shape[1]
+            w13, w2 = pool.banks["w13_weight" + suffix], pool.banks["w2_weight" + suffix]
+            half = w13.shape[1] // 2  # gate rows (or gate scale-block rows), then up
             if kind == "gate":
-                got = pool.banks["w13_weight"][row, :I]
+                got = w13[row, :half]
             elif kind == "up":
-                got = pool.banks["w13_weight"][row, I:]
+                got = w13[row, half:]
             else:
-                got = pool.banks["w2_weight"][row]
-            if not torch.equal(got.float(), want):
+                got = w2[row]
+            # bit for bit: the pool holds the checkpoint's own codes and scales
+            if got.dtype != want.dtype or not torch.equal(got.view(torch.uint8),
+                                                          want.contiguous().view(torch.uint8)):
                 mismatches.append(key)
-            seen.add((row, kind))
+            seen.add((row, kind + suffix))
     params_are_views = all(
         getattr(m, "w13_weight").data_ptr()
         == pool.banks["w13_weight"][pool.ordinal(m.layer_id) * E].data_ptr()

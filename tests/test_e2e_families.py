@@ -174,26 +174,35 @@ def serve_and_collect(path, args, log_path):
 TIE = 1e-3
 
 
-def assert_same_tokens(got, want, label):
-    compared = ties = 0
+def assert_same_tokens(got, want, label, tie=TIE, max_parted=1, texts=True):
+    """``got`` equals ``want`` (``collect``'s results) token for token, and FreeToken's
+    logprob of each token is stock's within ``tie``; but at most ``max_parted`` requests may
+    part where stock's top two logprobs are closer than ``tie`` (the rest of such a request is
+    not compared); with ``texts``, the endpoints' texts are equal too."""
+    parted = []
     for key in ("sequential", "concurrent"):
         for i, (g, w) in enumerate(zip(got[key], want[key])):
-            compared += 1
             assert len(g) == len(w), f"{label} {key} request {i}: {len(g)} tokens != stock {len(w)}"
-            at = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), None)
-            if at is None:
+            at = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), len(g))
+            for j in range(at):
+                lg, lw = got["top2"][key][i][j][0][0], want["top2"][key][i][j][0][0]
+                assert abs(lg - lw) < tie, (
+                    f"{label} {key} request {i} position {j}: logprob {lg:.6f} != stock's "
+                    f"{lw:.6f}"
+                )
+            if at == len(g):
                 continue
             (lp1, t1), (lp2, t2) = want["top2"][key][i][at][:2]
-            assert t1 == w[at] and g[at] == t2 and lp1 - lp2 < TIE, (
+            # (an exact tie may list stock's own pick second)
+            assert {g[at], w[at]} == {t1, t2} and lp1 - lp2 < tie, (
                 f"{label} {key} request {i}: {g} != stock {w} from position {at}, where "
                 f"stock's top two were {t1} ({lp1:.6f}) and {t2} ({lp2:.6f})"
             )
-            ties += 1
-    # most requests match to their last token: a tie is rare
-    assert ties * 4 <= compared, f"{label}: {ties} of {compared} requests parted at near-ties"
-    assert [len(x) for x in got["concurrent"]] == [n for _, n in CONCURRENT]
+            parted.append((key, i, at))
+    # a near-tie that flips is rare
+    assert len(parted) <= max_parted, f"{label}: requests parted at near-ties: {parted}"
     for key in ("completion", "chat", "messages"):
-        assert got[key] == want[key], f"{label} {key}"
+        assert not texts or got[key] == want[key], f"{label} {key}"
         assert len(got[key]) > 0
     assert got["messages_usage"] == want["messages_usage"] > 0
 

@@ -17,13 +17,14 @@ import torch
 from freetoken_sglang.config import FreeTokenConfig
 from freetoken_sglang.cache.fills import Filler
 from freetoken_sglang.cache.layout import RESIDENT, SlotLayout
+from freetoken_sglang.errors import RefusedError
 from freetoken_sglang.pool import GIB, HostExpertPool
 from freetoken_sglang.cache.residency import ResidencyState
 
 logger = logging.getLogger(__name__)
 
 
-class CacheSizeError(ValueError):
+class CacheSizeError(RefusedError):
     """The requested cache cannot serve one token's top-k experts, or does not fit."""
 
 

@@ -5,7 +5,9 @@ On CUDA this is the Triton runner's sequence (``fused_experts_impl`` in SGLang 0
 ``moe_runner/triton_utils/fused_moe.py``): the token alignment is computed over the layer's
 E local expert ids, exactly as stock SGLang computes it (same blocks, same kernel config),
 and only the per-block expert ids are rewritten to slot ids before the two grouped GEMMs.
-On the CPU it is SGLang's ``moe_forward_native`` over the slot banks.
+On the CPU it is SGLang's ``moe_forward_native`` over the slot banks (quantized slots
+dequantized first by their format's definition, ``experts/formats.py``). Quantized formats
+pass their scales and flags to the same Triton kernels as stock SGLang's runner does.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def run_on_slots_triton(
 
     cfg = layer.moe_runner_config
     ids = routed_ids
+    quant, scales = layer.quant_method.triton_quant.kernel_kwargs(slot_banks)
     (
         config,
         down_config,
@@ -66,12 +69,7 @@ def run_on_slots_triton(
         layer.w13_weight,  # shapes only: [E, 2I, H], as stock SGLang sees them
         layer.w2_weight,
         ids,
-        use_fp8_w8a8=False,
-        use_int8_w8a8=False,
-        use_int8_w8a16=False,
-        use_int4_w4a16=False,
-        per_channel_quant=False,
-        block_shape=None,
+        **quant,
     )
     remap_expert_ids_(expert_ids, layer_slots)
     filter_expert = skip_negative_ids or (
@@ -91,18 +89,12 @@ def run_on_slots_triton(
         down_moe_use_tma,
         b1=slot_banks.get("w13_weight_bias"),
         b2=slot_banks.get("w2_weight_bias"),
-        use_fp8_w8a8=False,
-        use_int8_w8a8=False,
-        use_int8_w8a16=False,
-        use_int4_w4a16=False,
-        per_channel_quant=False,
-        w1_scale=None,
-        w2_scale=None,
+        **quant,
+        **scales,
         w1_zp=None,
         w2_zp=None,
         a1_scale=None,
         a2_scale=None,
-        block_shape=None,
         activation=cfg.activation,
         is_gated=cfg.is_gated,
         no_combine=cfg.no_combine,
@@ -141,6 +133,14 @@ def run_on_slots_native(
     slot_ids = torch.where(elsewhere, null.to(slot_ids.dtype), slot_ids).to(routed_ids.dtype)
     weights = topk_output.topk_weights.masked_fill(elsewhere, 0)
     banks = banks_with_null_slots
+    fmt = layer.quant_method.format
+    if fmt.label != "unquantized":
+        # the slots this call reads, dequantized by the format's definition
+        used, slot_ids = torch.unique(slot_ids, return_inverse=True)
+        slot_ids = slot_ids.to(routed_ids.dtype)
+        rows = {n: b[used.long()] for n, b in banks.items()}
+        w13, w2 = fmt.dequantize(layer.quant_method.base_method, rows, hidden_states.dtype)
+        banks = {**rows, "w13_weight": w13, "w2_weight": w2}
     slots_layer = SimpleNamespace(
         num_experts=banks["w13_weight"].shape[0],
         w13_weight=banks["w13_weight"],

@@ -1,0 +1,1 @@
+"""The experts as the checkpoint stores them: per-quantization-method formats (``formats``)."""

@@ -1,0 +1,224 @@
+"""Expert formats: per SGLang quantization method, the banks of one expert and how SGLang's MoE runner reads them.
+
+A format entry says which SGLang ``FusedMoEMethodBase`` it takes over, whether a given instance
+of it is served (``supports``), the banks of one expert (weights, scales, biases, with
+SGLang's own names, shapes and dtypes), the quantization arguments of SGLang's Triton
+fused-MoE kernels over slot banks, and the float weights the format's definition gives (for
+SGLang's native torch MoE on the CPU engine). The pool, the fills and the slot banks only
+see banks; adding a format is adding an entry to ``FORMATS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from freetoken_sglang.pool import BankSpec, bank_specs_for_layer
+
+
+@dataclass(frozen=True)
+class TritonQuant:
+    """The quantization arguments of SGLang's Triton fused-MoE sequence
+    (``_prepare_fused_moe_run`` / ``_fused_moe_kernel_sequence`` in 0.5.17), with bank names
+    in place of the scale tensors."""
+
+    use_fp8_w8a8: bool = False
+    block_shape: Optional[Tuple[int, int]] = None
+    w1_scale: Optional[str] = None
+    w2_scale: Optional[str] = None
+
+    def kernel_kwargs(self, slot_banks: Dict[str, torch.Tensor]) -> dict:
+        """The kwargs both SGLang functions take, with the scales read from ``slot_banks``."""
+        return dict(
+            use_fp8_w8a8=self.use_fp8_w8a8,
+            use_int8_w8a8=False,
+            use_int8_w8a16=False,
+            use_int4_w4a16=False,
+            per_channel_quant=False,
+            block_shape=list(self.block_shape) if self.block_shape else None,
+        ), dict(
+            w1_scale=slot_banks[self.w1_scale] if self.w1_scale else None,
+            w2_scale=slot_banks[self.w2_scale] if self.w2_scale else None,
+        )
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    """One entry of ``FORMATS``.
+
+    Attributes:
+        label: the name logs, stats and errors use (``"fp8_block"``).
+        method: ``module:qualname`` of the SGLang method whose ``create_weights`` FreeToken
+            takes over for this format.
+        quantizations: the SGLang quantization config names (``QuantizationConfig.get_name``)
+            whose MoE layers this format may serve.
+        supports: ``base_method -> None`` when served, else a one-line reason.
+        banks: ``(base_method, layer, num_experts, hidden, inter, params_dtype, with_bias) ->
+            {bank name: BankSpec}``: the banks of one expert, as the SGLang method registers
+            them (``[E, *spec.shape]`` parameters named as the banks).
+        triton: ``base_method -> TritonQuant``.
+        dequantize: ``(base_method, {bank: rows [n, ...]}, dtype) -> (w13 [n, R, H],
+            w2 [n, H, I])`` in ``dtype``, by the format's definition.
+        executor_kwargs: ``base_method -> kwargs`` of ``CpuExpertExecutor`` for this format.
+    """
+
+    label: str
+    method: str
+    quantizations: Tuple[str, ...]
+    supports: Callable
+    banks: Callable
+    triton: Callable
+    dequantize: Callable
+    executor_kwargs: Callable
+
+    def check_banks(self, base_method, layer, params: Dict[str, torch.Tensor], num_experts: int,
+                    hidden: int, inter: int, params_dtype: torch.dtype,
+                    with_bias: bool) -> Dict[str, BankSpec]:
+        """The banks of one expert, after checking that the parameters SGLang's method
+        registered (``params``, on the meta device) are exactly the format's banks.
+
+        Raises:
+            UnsupportedModelError: the method is not served in this configuration, or it
+                registered other parameters, shapes or dtypes than the format describes.
+        """
+        from freetoken_sglang.families import UnsupportedModelError
+
+        reason = self.supports(base_method)
+        if reason:
+            raise UnsupportedModelError(f"--enable-freetoken ({self.label} experts): {reason}")
+        want = self.banks(base_method, layer, num_experts, hidden, inter, params_dtype, with_bias)
+        got = {
+            n: BankSpec(tuple(p.shape[1:]), p.dtype)
+            for n, p in params.items()
+            if p.dim() >= 1 and p.shape[0] == num_experts
+        }
+        if got != want or len(got) != len(params):
+            shapes = {n: (list(p.shape), str(p.dtype)) for n, p in params.items()}
+            raise UnsupportedModelError(
+                f"--enable-freetoken ({self.label} experts): {type(base_method).__name__} "
+                f"registered {shapes}, not the {num_experts} x {want} banks this format serves"
+            )
+        return want
+
+
+# ---- unquantized (BF16 / FP16 / FP32 checkpoints) ------------------------------------------
+
+def _unquant_banks(base_method, layer, num_experts, hidden, inter, params_dtype, with_bias):
+    return bank_specs_for_layer(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        dtype=params_dtype,
+        is_gated=layer.moe_runner_config.is_gated,
+        with_bias=with_bias,
+    )
+
+
+def _unquant_supports(base_method) -> Optional[str]:
+    if getattr(base_method, "use_triton_kernels", False):
+        return ("the triton_kernels MoE runner (transposed expert layouts) is not served; "
+                "use --moe-runner-backend triton")
+    return None
+
+
+UNQUANTIZED = ExpertFormat(
+    label="unquantized",
+    method="sglang.srt.layers.quantization.unquant:UnquantizedFusedMoEMethod",
+    quantizations=(),
+    supports=_unquant_supports,
+    banks=_unquant_banks,
+    triton=lambda base_method: TritonQuant(),
+    dequantize=lambda base_method, rows, dtype: (
+        rows["w13_weight"].to(dtype), rows["w2_weight"].to(dtype)
+    ),
+    executor_kwargs=lambda base_method: {},
+)
+
+
+# ---- FP8 e4m3 with block scales (DeepSeek-V3, Qwen3-FP8) -----------------------------------
+
+def _fp8_supports(base_method) -> Optional[str]:
+    cfg = base_method.quant_config
+    if not getattr(base_method, "block_quant", False):
+        return ("FP8 without weight_block_size (per-tensor or per-channel scales) is not "
+                "served yet; FP8 with block scales is")
+    if getattr(cfg, "use_mxfp8", False) or getattr(base_method, "is_fp4_expert", False):
+        return "MXFP8 and FP4 experts inside an FP8 config are not served yet"
+    if not cfg.is_checkpoint_fp8_serialized:
+        return ("online FP8 quantization of a BF16 checkpoint (--quantization fp8) is not "
+                "served; serve the BF16 checkpoint unquantized or an FP8 checkpoint")
+    if cfg.activation_scheme != "dynamic":
+        return (f"FP8 activation_scheme {cfg.activation_scheme!r} is not served yet; "
+                "block-scaled checkpoints use 'dynamic'")
+    return None
+
+
+def _fp8_banks(base_method, layer, num_experts, hidden, inter, params_dtype, with_bias):
+    bn, bk = base_method.quant_config.weight_block_size
+    # Fp8MoEMethod.create_fp8_moe_weight_ (block quant; it requires inter % bn == 0)
+    f8 = torch.float8_e4m3fn
+    specs = {
+        "w13_weight": BankSpec((2 * inter, hidden), f8),
+        "w2_weight": BankSpec((hidden, inter), f8),
+    }
+    if with_bias:
+        specs["w13_weight_bias"] = BankSpec((2 * inter,), torch.float32)
+        specs["w2_weight_bias"] = BankSpec((hidden,), torch.float32)
+    specs["w13_weight_scale_inv"] = BankSpec((2 * -(-inter // bn), -(-hidden // bk)),
+                                             torch.float32)
+    specs["w2_weight_scale_inv"] = BankSpec((-(-hidden // bn), -(-inter // bk)), torch.float32)
+    return specs
+
+
+def dequantize_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, block: Tuple[int, int],
+                         dtype: torch.dtype) -> torch.Tensor:
+    """``w [n, R, C]`` float8_e4m3fn times ``scale_inv [n, ceil(R/bn), ceil(C/bk)]`` fp32,
+    one scale per ``bn x bk`` block, in ``dtype`` (SGLang's own ``block_quant_dequant``,
+    ``layers/quantization/fp8_utils.py``)."""
+    from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant
+
+    return block_quant_dequant(w, scale_inv, list(block), dtype)
+
+
+def _fp8_dequantize(base_method, rows, dtype):
+    block = tuple(base_method.quant_config.weight_block_size)
+    return (
+        dequantize_fp8_block(rows["w13_weight"], rows["w13_weight_scale_inv"], block, dtype),
+        dequantize_fp8_block(rows["w2_weight"], rows["w2_weight_scale_inv"], block, dtype),
+    )
+
+
+FP8_BLOCK = ExpertFormat(
+    label="fp8_block",
+    method="sglang.srt.layers.quantization.fp8:Fp8MoEMethod",
+    quantizations=("fp8",),
+    supports=_fp8_supports,
+    banks=_fp8_banks,
+    triton=lambda base_method: TritonQuant(
+        use_fp8_w8a8=True,
+        block_shape=tuple(base_method.quant_config.weight_block_size),
+        w1_scale="w13_weight_scale_inv",
+        w2_scale="w2_weight_scale_inv",
+    ),
+    dequantize=_fp8_dequantize,
+    executor_kwargs=lambda base_method: {
+        "block_shape": tuple(base_method.quant_config.weight_block_size)
+    },
+)
+
+
+#: Every served format, by label.
+FORMATS: Dict[str, ExpertFormat] = {f.label: f for f in (UNQUANTIZED, FP8_BLOCK)}
+#: SGLang quantization names some format serves.
+QUANTIZATIONS = frozenset(q for f in FORMATS.values() for q in f.quantizations)
+
+
+def format_for_method(base_method) -> Optional[ExpertFormat]:
+    """The entry whose ``method`` is ``base_method``'s class, or None."""
+    cls = type(base_method)
+    name = f"{cls.__module__}:{cls.__qualname__}"
+    for fmt in FORMATS.values():
+        if fmt.method == name:
+            return fmt
+    return None

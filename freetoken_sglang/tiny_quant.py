@@ -1,0 +1,140 @@
+"""Quantized tiny checkpoints: a tiny checkpoint's routed experts in a quantized format, and its dequantized twin.
+
+The quantized checkpoint stores its routed experts as the format's checkpoints do (names,
+dtypes, scale shapes that SGLang's method loads) and every other module unquantized
+(``modules_to_not_convert``), so it runs where only the experts' format is in question. The
+twin is the same checkpoint with each routed expert replaced by its dequantized values:
+stock SGLang serving the twin computes what FreeToken computes from the quantized experts.
+
+    python -m freetoken_sglang.tiny_quant --src TINY_DIR --out FP8_DIR --twin TWIN_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+from typing import Dict, Tuple
+
+import torch
+
+#: A routed expert's projection weight in the per-expert checkpoint layout of every family.
+EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+FP8_MAX = 448.0
+
+
+def fp8_block_quantize(w: torch.Tensor, block: Tuple[int, int],
+                       pow2: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``w [R, C]`` as float8_e4m3fn codes and fp32 ``weight_scale_inv [ceil(R/bn),
+    ceil(C/bk)]`` (one scale per ``bn x bk`` block, its amax mapped to at most 448), as
+    DeepSeek-V3's FP8 checkpoints store a linear weight; ``codes * scale`` (per block)
+    dequantizes it. ``pow2`` rounds each scale up to a power of two (as UE8M0 scales are), so
+    every dequantized value is exact in BF16 and FP16 too."""
+    bn, bk = block
+    r, c = w.shape
+    nr, nc = -(-r // bn), -(-c // bk)
+    padded = torch.zeros(nr * bn, nc * bk, dtype=torch.float32)
+    padded[:r, :c] = w.float()
+    blocks = padded.view(nr, bn, nc, bk)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(nr * bn, nc * bk)[:r, :c].contiguous(), scale.contiguous()
+
+
+def fp8_block_dequantize(q: torch.Tensor, scale: torch.Tensor, block: Tuple[int, int]) -> torch.Tensor:
+    """fp32 values of ``fp8_block_quantize``'s output, by the format's definition."""
+    bn, bk = block
+    r, c = q.shape
+    s = scale.repeat_interleave(bn, 0)[:r].repeat_interleave(bk, 1)[:, :c]
+    return q.float() * s
+
+
+def _not_converted(keys) -> list:
+    """Every module but the routed experts (attention, shared experts, dense MLPs, router)."""
+    names = set()
+    for k in keys:
+        if not k.endswith(".weight") or EXPERT_WEIGHT.search(k):
+            continue
+        mod = k[: -len(".weight")]
+        if any(s in mod for s in ("embed_tokens", "lm_head", "norm")):
+            continue
+        names.add(mod)
+        m = re.match(r"(.*\.(self_attn|linear_attn))\.", k)
+        if m:
+            names.add(m.group(1))
+    return sorted(names)
+
+
+def write_fp8_block(src: str, out: str, twin: str, block: Tuple[int, int] = (16, 16)) -> Tuple[str, str]:
+    """Write ``src``'s FP8-block checkpoint to ``out`` and its dequantized twin to ``twin``.
+
+    Args:
+        src: a tiny checkpoint (``tiny_models.build_tiny_checkpoint``), per-expert weights.
+        block: ``weight_block_size [bn, bk]``; bn must divide the experts' intermediate size
+            (SGLang's ``Fp8MoEMethod`` requires it).
+
+    Returns:
+        ``(out, twin)``. Both are rebuilt only when ``src`` or ``block`` changed.
+    """
+    from safetensors.torch import load_file, save_file
+
+    stamp = json.dumps({"src": os.path.abspath(src), "block": list(block),
+                        "mtime": os.path.getmtime(os.path.join(src, "config.json"))})
+    if all(os.path.exists(os.path.join(d, "freetoken_quant.json"))
+           and open(os.path.join(d, "freetoken_quant.json")).read() == stamp
+           for d in (out, twin)):
+        return out, twin
+    tensors: Dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(os.path.join(src, "*.safetensors"))):
+        tensors.update(load_file(f))
+    quant, deq = {}, {}
+    for k, t in tensors.items():
+        if EXPERT_WEIGHT.search(k):
+            q, s = fp8_block_quantize(t, block)
+            quant[k] = q
+            quant[k[: -len("weight")] + "weight_scale_inv"] = s
+            deq[k] = fp8_block_dequantize(q, s, block).to(t.dtype)
+        else:
+            quant[k] = deq[k] = t
+    config = json.load(open(os.path.join(src, "config.json")))
+    for d, ts, cfg in (
+        (out, quant, {**config, "quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(block),
+            "modules_to_not_convert": _not_converted(tensors),
+        }}),
+        (twin, deq, config),
+    ):
+        os.makedirs(d, exist_ok=True)
+        for f in os.listdir(src):
+            if not f.endswith(".safetensors") and f not in ("config.json", "freetoken_tiny.json",
+                                                            "model.safetensors.index.json"):
+                p = os.path.join(src, f)
+                if os.path.isfile(p):
+                    shutil.copy(p, d)
+        save_file({k: v.contiguous() for k, v in ts.items()}, os.path.join(d, "model.safetensors"),
+                  metadata={"format": "pt"})
+        json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=2)
+        open(os.path.join(d, "freetoken_quant.json"), "w").write(stamp)
+    return out, twin
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--src", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--twin", required=True)
+    p.add_argument("--block", default="16,16", help="weight_block_size bn,bk")
+    a = p.parse_args(argv)
+    bn, bk = (int(x) for x in a.block.split(","))
+    print(*write_fp8_block(a.src, a.out, a.twin, (bn, bk)))
+
+
+if __name__ == "__main__":
+    main()
