@@ -81,9 +81,16 @@ def expert_pool_gib(model_path: str) -> float:
     cfg = AutoConfig.from_pretrained(model_path)
     dtype = getattr(cfg, "torch_dtype", None) or getattr(cfg, "dtype", None) or "bfloat16"
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    specs = bank_specs_for_layer(families.text_config(cfg).hidden_size,
-                                 families.expert_intermediate_size(cfg), dtype)
+    hidden, inter = families.text_config(cfg).hidden_size, families.expert_intermediate_size(cfg)
+    specs = bank_specs_for_layer(hidden, inter, dtype)
     n = len(families.moe_layer_ids(cfg)) * families.num_routed_experts(cfg)
+    quant = getattr(families.text_config(cfg), "quantization_config", None) or getattr(
+        cfg, "quantization_config", None) or {}
+    if quant.get("quant_method") == "fp8" and quant.get("weight_block_size"):
+        # experts.formats.FP8_BLOCK: one byte a weight, fp32 scales per bn x bk block
+        bn, bk = quant["weight_block_size"]
+        scales = 2 * -(-inter // bn) * -(-hidden // bk) + -(-hidden // bn) * -(-inter // bk)
+        return n * (3 * hidden * inter + 4 * scales) / GIB
     return n * sum(s.row_bytes for s in specs.values()) / GIB
 
 

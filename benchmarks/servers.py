@@ -136,6 +136,14 @@ SHAPES = {
         },
     },
 }
+# Qwen3-30B-A3B-FP8 (the quantization_config of Qwen/Qwen3-30B-A3B-FP8): every linear
+# layer and expert in FP8 e4m3 with 128x128 block scales (FreeToken's pool holds the experts'
+# codes and scales).
+SHAPES["qwen3-30b-a3b-fp8"] = {
+    **SHAPES["qwen3-30b-a3b"],
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                            "quant_method": "fp8", "weight_block_size": [128, 128]},
+}
 
 
 def write_tokenizer(shape: str, out_dir: str) -> str:

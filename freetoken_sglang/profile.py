@@ -55,6 +55,13 @@ def main(argv=None) -> None:
 
     hf_config = AutoConfig.from_pretrained(a.model_path, trust_remote_code=a.trust_remote_code)
     families.family_of(hf_config)
+    if getattr(families.text_config(hf_config), "quantization_config", None) or getattr(
+            hf_config, "quantization_config", None):
+        raise SystemExit(
+            "freetoken_sglang.profile measures unquantized expert shapes only; a server with "
+            "a quantized checkpoint and --freetoken-miss-policy qstar measures B_P and B_H at "
+            "its first start (or pass --freetoken-bandwidth B_P,B_H)"
+        )
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     t0 = time.perf_counter()
     pool = scratch_pool(hf_config, a.pool_gb)

@@ -727,3 +727,14 @@ def test_bench_decode_refuses_a_bad_max_request_s(value, tmp_path):
     with pytest.raises(SystemExit, match="--max-request-s must be a positive number"):
         run_all.bench_decode.main(["--system", "x:", "--max-request-s", value,
                                    "--out-dir", str(tmp_path)])
+
+
+def test_expert_pool_gib_counts_fp8_codes_and_scales(tmp_path):
+    """The FP8 shape's pool: one byte a weight plus fp32 scales per 128x128 block."""
+    from servers import write_shape
+
+    bf16 = run_all.expert_pool_gib(write_shape("qwen3-30b-a3b", str(tmp_path)))
+    fp8 = run_all.expert_pool_gib(write_shape("qwen3-30b-a3b-fp8", str(tmp_path)))
+    assert bf16 == 48 * 128 * 3 * 2048 * 768 * 2 / (1 << 30)
+    scales = 2 * 6 * 16 + 16 * 6  # w13 [2I/128, H/128], w2 [H/128, I/128]
+    assert fp8 == 48 * 128 * (3 * 2048 * 768 + 4 * scales) / (1 << 30)
