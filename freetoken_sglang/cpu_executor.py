@@ -123,6 +123,16 @@ def _gated_of(w13: torch.Tensor, w2: torch.Tensor, up_rows: int, inter: int) -> 
     )
 
 
+def _dense_inter(w13: torch.Tensor, w2: torch.Tensor, n: int, hidden: int) -> int:
+    """I of an unpacked ``w2_weight [N, H, I]``, its first two dims checked."""
+    if w2.shape[0] != n or w2.shape[1] != hidden:
+        raise ValueError(
+            f"w2_weight must be [N={n}, H={hidden}, I], got {list(w2.shape)} "
+            f"(w13_weight is {list(w13.shape)})"
+        )
+    return w2.shape[2]
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -152,12 +162,7 @@ def _pool_layout(banks: Mapping[str, torch.Tensor], block_shape):
             raise ValueError(
                 f"bank 'w2_weight' must be float8_e4m3fn like w13_weight, got {w2.dtype}"
             )
-        if w2.shape[0] != n or w2.shape[1] != hidden:
-            raise ValueError(
-                f"w2_weight must be [N={n}, H={hidden}, I], got {list(w2.shape)} "
-                f"(w13_weight is {list(w13.shape)})"
-            )
-        inter = w2.shape[2]
+        inter = _dense_inter(w13, w2, n, hidden)
         gated = _gated_of(w13, w2, up_rows, inter)
         want13 = (n, _cdiv(up_rows, bn), _cdiv(hidden, bk))
         split = (n, 2 * _cdiv(inter, bn), _cdiv(hidden, bk))
@@ -232,12 +237,7 @@ def _pool_layout(banks: Mapping[str, torch.Tensor], block_shape):
             f"{w13.dtype} and {w2.dtype}"
         )
     hidden = w13_cols
-    if w2.shape[0] != n or w2.shape[1] != hidden:
-        raise ValueError(
-            f"w2_weight must be [N={n}, H={hidden}, I], got {list(w2.shape)} "
-            f"(w13_weight is {list(w13.shape)})"
-        )
-    inter = w2.shape[2]
+    inter = _dense_inter(w13, w2, n, hidden)
     gated = _gated_of(w13, w2, up_rows, inter)
     fmt = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[w13.dtype]
     return fmt, scales, n, up_rows, hidden, inter, gated
