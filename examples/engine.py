@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The CPU engine's Engine arguments (the README's "Running on the CPU").
 CPU_ARGS = dict(device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
-                disable_cuda_graph=True, dtype="float32", max_total_tokens=4096)
+                cuda_graph_backend_decode="disabled", cuda_graph_backend_prefill="disabled",
+                dtype="float32", max_total_tokens=4096)
 
 
 def main(argv=None) -> None:

@@ -53,7 +53,8 @@ def main(argv=None) -> None:
     env = dict(os.environ)
     if not on_gpu:
         cmd += ["--device", "cpu", "--attention-backend", "torch_native",
-                "--sampling-backend", "pytorch", "--disable-cuda-graph",
+                "--sampling-backend", "pytorch", "--cuda-graph-backend-decode", "disabled",
+                "--cuda-graph-backend-prefill", "disabled",
                 "--max-total-tokens", "8192", "--max-running-requests", "8",
                 "--chunked-prefill-size", "512", "--dtype", "float32", "--sleep-on-idle"]
         env.update(SGLANG_USE_CPU_ENGINE="1", TRITON_INTERPRET="1")

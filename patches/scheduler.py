@@ -88,8 +88,7 @@ def scheduler_init_refusal(original, self, server_args, *args, **kwargs):
         if (getattr(server_args, "freetoken", None) is None
                 or getattr(server_args, "log_level", None) == "debug"):
             raise
-        logger.error("FreeToken refused to start: %s", e)
-        errors.leave_note(str(e))
+        errors.leave_note(str(e))  # the launcher prints it, once
         logging.shutdown()
         os._exit(errors.EXIT_REFUSED)
 

@@ -81,7 +81,7 @@ def resolve_num_slots(
     slots = min(slots, total)
     if slots < min_slots:
         raise CacheSizeError(
-            f"the GPU expert cache ({how}) would hold {slots} slots, but at least "
+            f"the GPU expert cache ({how}) would hold {slots} slot{'s' * (slots != 1)}, but at least "
             f"{min_slots} are needed ({min_slots_reason}); that is "
             f"{min_slots * per_slot / GIB:.3f} GiB. Ask for at least "
             f"--freetoken-cache-slots {min_slots} (or the same as -gb / -ratio)."
