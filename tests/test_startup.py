@@ -32,7 +32,7 @@ def test_cache_smaller_than_top_k_is_refused_with_the_minimum(tiny_checkpoint):
     )
     log = out.stdout + out.stderr
     assert_clean_refusal(out)
-    assert "would hold 1 slots, but at least 2 are needed" in log
+    assert "would hold 1 slot, but at least 2 are needed" in log
     assert "--freetoken-cache-slots 2" in log
 
 
