@@ -56,7 +56,13 @@ def run_on_slots_triton(
 
     cfg = layer.moe_runner_config
     ids = routed_ids
-    quant, scales = layer.quant_method.triton_quant.kernel_kwargs(slot_banks)
+    method = getattr(layer, "quant_method", None)
+    tq = method.triton_quant if hasattr(method, "triton_quant") else None
+    if tq is None:  # a bare layer (the executors' unit tests): unquantized
+        from freetoken_sglang.experts.formats import TritonQuant
+
+        tq = TritonQuant()
+    quant, scales = tq.kernel_kwargs(slot_banks)
     (
         config,
         down_config,
@@ -133,8 +139,8 @@ def run_on_slots_native(
     slot_ids = torch.where(elsewhere, null.to(slot_ids.dtype), slot_ids).to(routed_ids.dtype)
     weights = topk_output.topk_weights.masked_fill(elsewhere, 0)
     banks = banks_with_null_slots
-    fmt = layer.quant_method.format
-    if fmt.label != "unquantized":
+    fmt = getattr(getattr(layer, "quant_method", None), "format", None)
+    if fmt is not None and fmt.label != "unquantized":
         # the slots this call reads, dequantized by the format's definition
         used, slot_ids = torch.unique(slot_ids, return_inverse=True)
         slot_ids = slot_ids.to(routed_ids.dtype)
