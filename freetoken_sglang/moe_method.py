@@ -39,6 +39,8 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         self.runtime = runtime
         self.base_method = base_method
         self.format = fmt
+        # the format's quantization arguments of SGLang's Triton MoE kernels (fixed per layer)
+        self.triton_quant = fmt.triton(base_method)
         self._create_weights_original = create_weights_original
         self.ordinal = -1
         self.num_experts = 0
@@ -103,11 +105,6 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             param.__dict__.update(meta.__dict__)  # weight_loader, quant_method, ... as SGLang set
             layer.register_parameter(name, param)
         self.runtime.register_layer(layer, self)
-
-    @property
-    def triton_quant(self):
-        """The format's quantization arguments of SGLang's Triton MoE kernels."""
-        return self.format.triton(self.base_method)
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config):
         self.moe_runner_config = moe_runner_config

@@ -3,26 +3,16 @@ tokens, and routing traces in the routing-trace format, labelled a small model's
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import torch
 
 from freetoken_sglang.observe.routing_trace import PHASES, RoutingTrace
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load(name, rel):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, rel))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from test_replay import REPO, _load  # noqa: E402
 
 
 def test_train_router_tiny_cpu(tmp_path):

@@ -17,6 +17,10 @@ from typing import Dict, Optional
 
 import torch
 
+from freetoken_sglang.experts.formats import TritonQuant
+
+# a layer without FreeToken's method (the executors' unit tests' bare layers) is unquantized
+_UNQUANTIZED = TritonQuant()
 
 def run_on_slots_triton(
     layer,
@@ -56,12 +60,7 @@ def run_on_slots_triton(
 
     cfg = layer.moe_runner_config
     ids = routed_ids
-    method = getattr(layer, "quant_method", None)
-    tq = method.triton_quant if hasattr(method, "triton_quant") else None
-    if tq is None:  # a bare layer (the executors' unit tests): unquantized
-        from freetoken_sglang.experts.formats import TritonQuant
-
-        tq = TritonQuant()
+    tq = getattr(getattr(layer, "quant_method", None), "triton_quant", _UNQUANTIZED)
     quant, scales = tq.kernel_kwargs(slot_banks)
     (
         config,
