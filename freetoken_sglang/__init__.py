@@ -9,6 +9,8 @@ import os as _os
 
 __version__ = "0.1.0"
 
+from freetoken_sglang.control import resize_cache  # noqa: E402,F401 - sglang.Engine resizes
+
 # The repository keeps ``kernels/`` and ``patches/`` at its top level; installs map them to
 # ``freetoken_sglang.kernels`` / ``freetoken_sglang.patches`` (pyproject's package-dir). When
 # this package is imported straight from a checkout, resolve them there too.

@@ -131,6 +131,17 @@ class FreeTokenConfig:
         ),
     )
 
+    min_free_gb: Optional[float] = field(
+        default=None,
+        metadata=dict(
+            type=_positive_float,
+            help="Keep at least this much GPU memory (GiB) free for other applications: the "
+            "expert cache shrinks by itself when free memory falls below it and grows back "
+            "to its configured size when memory is free again (checked once a second; each "
+            "resize is logged). Needs a CUDA device.",
+        ),
+    )
+
     miss_policy: str = field(
         default="fill",
         metadata=dict(
@@ -386,6 +397,7 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
     if cfg.backend == "cpu":
         ineffective = sizes + (["bandwidth"] if cfg.bandwidth is not None else [])
         ineffective += ["miss_policy"] if "miss_policy" in given else []
+        ineffective += ["min_free_gb"] if cfg.min_free_gb is not None else []
         for name in ineffective:
             problems.append(f"{cli_name(name)} has no effect with --freetoken-backend cpu")
     else:

@@ -9,6 +9,7 @@ calls go to the executors (``execute/``); the stats document is ``observe/docume
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Dict, Optional
@@ -20,6 +21,7 @@ from freetoken_sglang.cache.layout import SlotLayout, plan_layout
 from freetoken_sglang.cache.residency import MissSplit
 from freetoken_sglang.cache.slots import CacheSize, ExpertCache, resolve_num_slots
 from freetoken_sglang.config import SERVER_ARGS_ATTR, FreeTokenConfig
+from freetoken_sglang.errors import RefusedError
 from freetoken_sglang.execute.choice import DECODE, EXTEND, ExecutorChoice, stream_min_rows
 from freetoken_sglang.miss_policy import SPLIT_MAX_TOKENS, MissPolicy
 from freetoken_sglang.observe.counters import ExpertCounters
@@ -99,6 +101,16 @@ class FreeTokenRuntime:
         # Real rows of the current forward; rows past it are graph padding.
         self.num_valid = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.load_report: Dict[str, float] = {}
+        # Resizes while serving (resize_cache): the model runner whose graphs are captured
+        # again, the size the flags gave, and what the last resize did.
+        self.model_runner = None
+        self.configured_slots = 0
+        self.last_slots = 0
+        self.resizes = 0
+        self.resizing = False
+        self.last_resize: Optional[Dict[str, object]] = None
+        self._last_watch = 0.0
+        self.stream_carry: Dict[str, float] = {}
         # Semantic anchors (hybrid models; anchors/): markers now, states once the
         # scheduler's radix cache exists (patches/scheduler.py).
         self.anchors = None
@@ -160,6 +172,11 @@ class FreeTokenRuntime:
             )
         sa = model_runner.server_args
         self._check_prefill_graph(sa)
+        if self.config.min_free_gb is not None and self.device.type != "cuda":
+            raise RefusedError(
+                "--freetoken-min-free-gb watches the GPU's free memory and needs a CUDA "
+                "device; drop it here"
+            )
         # The most rows one forward can carry (prefill chunks, decode batches).
         max_tokens = max(
             sa.max_prefill_tokens or 0,
@@ -199,17 +216,11 @@ class FreeTokenRuntime:
             size = resolve_num_slots(
                 self.config, self.pool, self.top_k, reason, free_bytes, slack or 0
             )
-            layout = plan_layout(
-                size.num_slots,
-                self.num_experts,
-                self.pool.num_rows,
-                self.top_k,
-                0 if self.config.prefill == "lru" else self.config.stream_buffers,
-                borrow=self.config.prefill_buffers == "borrowed",
-            )
+            layout = self._plan_layout(size.num_slots)
         t1 = time.perf_counter()
-        null_slots = self.top_k if self.device.type == "cpu" else 0
-        self.cache = ExpertCache(self.pool, layout, self.device, null_slots)
+        self.cache = self._new_cache(layout)
+        self.model_runner = model_runner
+        self.configured_slots = self.last_slots = size.num_slots
         self.counters = ExpertCounters(self.moe_layer_ids, self.device)
         alloc_s = time.perf_counter() - t1
         self._start_cpu_side(max_tokens)
@@ -252,6 +263,21 @@ class FreeTokenRuntime:
             pin_s,
             self.describe_prefill(),
         )
+
+    def _plan_layout(self, num_slots: int) -> SlotLayout:
+        """The split of ``num_slots`` slot rows the flags ask for (``cache/layout.py``)."""
+        return plan_layout(
+            num_slots,
+            self.num_experts,
+            self.pool.num_rows,
+            self.top_k,
+            0 if self.config.prefill == "lru" else self.config.stream_buffers,
+            borrow=self.config.prefill_buffers == "borrowed",
+        )
+
+    def _new_cache(self, layout: SlotLayout) -> ExpertCache:
+        null_slots = self.top_k if self.device.type == "cpu" else 0
+        return ExpertCache(self.pool, layout, self.device, null_slots)
 
     def _check_prefill_graph(self, sa) -> None:
         """Refuse a prefill CUDA-graph backend that cannot run the streamed prefill (it needs
@@ -431,14 +457,157 @@ class FreeTokenRuntime:
             self.recorder.end_step(phase, num_tokens)
 
     def reset_cache(self) -> None:
-        """Empty the cache and zero the counters (after graph capture ran dummy batches)."""
+        """Empty the cache and zero the counters (after graph capture ran dummy batches; a
+        resize keeps its counters)."""
         if self.cache is not None:
             self.cache.reset()
-        if self.counters is not None:
+        if self.counters is not None and not self.resizing:
             self.counters.reset()
         for ex in self.executors.values():
             if hasattr(ex, "reset"):
                 ex.reset()
+
+    # ---- resize (cache/resize.py) ---------------------------------------------------------
+    def resize_cache(self, slots: Optional[int] = None, gb: Optional[float] = None,
+                     reason: str = "request") -> "ResizeReport":
+        """Grow or shrink the GPU expert cache to ``slots`` slots (or ``gb`` GiB, rounded down
+        to whole slots), at a scheduler safe point: no forward may be in flight. Keeps the
+        most recently used experts that fit, frees the old slot banks before allocating the
+        new ones (GPU memory goes back to the device), re-captures SGLang's CUDA graphs and
+        keeps the counters. Paper §2.3, §3.3.
+
+        Raises:
+            ValueError: no GPU expert cache (``--freetoken-backend cpu``), both or neither of
+                ``slots`` and ``gb``, a size under top-k, or one that does not fit in free
+                device memory; the cache is then unchanged.
+        """
+        from freetoken_sglang.cache.resize import ResizeReport, install, kept_experts
+
+        if self.cache is None or self.backend == "cpu" or not self.cache.num_slots:
+            raise ValueError("--freetoken-backend cpu has no GPU expert cache to resize")
+        if (slots is None) == (gb is None):
+            raise ValueError('give exactly one of "slots" and "gb"')
+        per = self.pool.expert_bytes
+        want = int(slots) if slots is not None else int(float(gb) * GIB // per)
+        new_slots = min(want, self.pool.num_rows)
+        if new_slots < self.top_k:
+            raise ValueError(
+                f"{want} slots cannot serve one token's top-{self.top_k} experts; ask for at "
+                f"least {self.top_k} slots ({self.top_k * per / GIB:.3f} GiB)"
+            )
+        t0 = time.perf_counter()
+        old = self.cache
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free = torch.cuda.mem_get_info(self.device)[0] + old.nbytes
+            if new_slots * per > free:
+                raise ValueError(
+                    f"{new_slots} slots need {new_slots * per / GIB:.2f} GiB but only "
+                    f"{free / GIB:.2f} GiB of GPU memory would be free; ask for fewer"
+                )
+        layout = self._plan_layout(new_slots)
+        resident_before = int((old.residency.owner[: old.residency.num_slots] >= 0).sum())
+        kept = kept_experts(old.residency, layout.lru_slots)
+        clock = int(old.residency.clock.item())
+        cpu_stamp = old.residency.cpu_stamp.clone()
+        from freetoken_sglang.observe.document import prefill_stream_counts
+
+        self.stream_carry = prefill_stream_counts(self)  # counts of the executors dropped now
+        # Free the old banks first: the kept experts come back from the host pool.
+        self.executors, self.cache = {}, None
+        old = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.cache = self._new_cache(layout)
+        self._start_executors()
+        recaptured = self._recapture_graphs()
+        if not self.cache.all_resident:
+            install(self.cache.residency, self.cache.filler, kept, clock)
+        self.cache.residency.cpu_stamp.copy_(cpu_stamp)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.resizes += 1
+        report = ResizeReport(
+            old_slots=self.last_slots,
+            new_slots=self.cache.num_slots,
+            old_bytes=self.last_slots * per,
+            new_bytes=self.cache.nbytes,
+            kept=len(kept) if not self.cache.all_resident else resident_before,
+            dropped=resident_before - len(kept) if not self.cache.all_resident else 0,
+            layout=layout.describe(self.num_experts),
+            graphs_recaptured=tuple(recaptured),
+            seconds=time.perf_counter() - t0,
+            reason=reason,
+            free_bytes_after=torch.cuda.mem_get_info(self.device)[0]
+            if self.device.type == "cuda" else None,
+        )
+        self.last_slots = self.cache.num_slots
+        logger.info(
+            "FreeToken: GPU expert cache resized (%s) from %d to %d slots (%.2f -> %.2f GiB) "
+            "in %.2f s: kept %d experts, dropped %d; %s%s", reason, report.old_slots,
+            report.new_slots, report.old_bytes / GIB, report.new_bytes / GIB, report.seconds,
+            report.kept, report.dropped, report.layout,
+            f"; CUDA graphs captured again: {', '.join(recaptured)}" if recaptured else "",
+        )
+        return report
+
+    def _recapture_graphs(self) -> list:
+        """Capture SGLang's CUDA graphs again over the new slot banks (``ModelRunner
+        .init_decode_cuda_graph`` / ``init_prefill_cuda_graph``, public methods of SGLang
+        0.5.17); the capture hook empties the cache afterwards, the counters are kept."""
+        mr = self.model_runner
+        eager = getattr(mr, "eager_runner", None)  # what a disabled phase runs instead
+
+        def captured(name):
+            runner = getattr(mr, name, None)
+            return runner is not None and runner is not eager
+
+        done = []
+        self.resizing = True
+        try:
+            if captured("decode_cuda_graph_runner"):
+                mr.init_decode_cuda_graph()
+                done.append("decode")
+            if captured("prefill_cuda_graph_runner"):
+                mr.init_prefill_cuda_graph()
+                done.append("prefill")
+        finally:
+            self.resizing = False
+        return done
+
+    def watch_free_memory(self, now: Optional[float] = None) -> Optional["ResizeReport"]:
+        """``--freetoken-min-free-gb``: at most once a second (at a scheduler safe point),
+        shrink the cache when free device memory is under the floor and grow it back towards
+        the configured size when there is room again (``cache.resize.min_free_target``)."""
+        g = self.config.min_free_gb
+        if g is None or self.device.type != "cuda" or self.cache is None:
+            return None
+        now = time.monotonic() if now is None else now
+        if now - self._last_watch < 1.0:
+            return None
+        self._last_watch = now
+        from freetoken_sglang.cache.resize import min_free_target
+
+        free = torch.cuda.mem_get_info(self.device)[0]
+        target = min_free_target(
+            self.cache.num_slots, self.configured_slots, self.top_k, free, int(g * GIB),
+            self.pool.expert_bytes, grow_step=max(self.top_k, self.configured_slots // 20),
+        )
+        if target is None:
+            return None
+        logger.info(
+            "FreeToken: %.2f GiB of GPU memory free against --freetoken-min-free-gb %.2f: "
+            "resizing the expert cache from %d to %d slots", free / GIB, g,
+            self.cache.num_slots, target,
+        )
+        try:
+            report = self.resize_cache(slots=target, reason="min-free")
+        except ValueError as e:
+            logger.warning("FreeToken: the min-free resize was not done: %s", e)
+            return None
+        self.last_resize = report.as_dict()
+        return report
 
     def stats(self) -> Dict[str, object]:
         """The ``/freetoken/stats`` document (``observe/document.py``)."""

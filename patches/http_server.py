@@ -2,14 +2,18 @@
 
 - ``http_server.launch_server`` (before): adds ``GET /freetoken/stats`` to SGLang's FastAPI
   ``app`` when the server runs with ``--enable-freetoken``. The route reads the scheduler's
-  counters through SGLang's own ``get_internal_state`` round trip.
+  counters through SGLang's own ``get_internal_state`` round trip; and ``POST
+  /freetoken/cache``, a resize of the GPU expert cache (``freetoken_sglang.control``).
 """
 
 from __future__ import annotations
 
+from fastapi import Request
+
 from freetoken_sglang.patches import Hook
 
 ROUTE = "/freetoken/stats"
+CACHE_ROUTE = "/freetoken/cache"
 
 
 async def freetoken_stats():
@@ -28,6 +32,24 @@ async def freetoken_stats():
     return JSONResponse(body)
 
 
+async def freetoken_cache(request: Request):
+    """``POST /freetoken/cache`` with ``{"gb": G}`` or ``{"slots": N}``: resize the GPU
+    expert cache at the scheduler's next safe point. 200 with the ``ResizeReport`` fields;
+    400 with ``error`` for a bad body or a size the scheduler refused."""
+    from fastapi.responses import JSONResponse
+    from sglang.srt.entrypoints import http_server
+
+    from freetoken_sglang import control
+
+    try:
+        size = control.parse_body(await request.json())
+    except ValueError as e:
+        return JSONResponse({"ok": False, "error": str(e)}, status_code=400)
+    answer = await control.request_resize(
+        http_server.get_global_state().tokenizer_manager, **size)
+    return JSONResponse(answer, status_code=200 if answer.get("ok") else 400)
+
+
 def launch_server(server_args, *args, **kwargs):
     from freetoken_sglang.runtime import config_of
     from sglang.srt.entrypoints.http_server import app
@@ -36,6 +58,8 @@ def launch_server(server_args, *args, **kwargs):
         return None
     if not any(getattr(r, "path", None) == ROUTE for r in app.routes):
         app.add_api_route(ROUTE, freetoken_stats, methods=["GET"])
+    if not any(getattr(r, "path", None) == CACHE_ROUTE for r in app.routes):
+        app.add_api_route(CACHE_ROUTE, freetoken_cache, methods=["POST"])
     return None
 
 

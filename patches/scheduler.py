@@ -11,6 +11,11 @@
   traceback.
 - ``scheduler.Scheduler.run_batch`` (around): an extend whose anchors take their states
   inside the forward reserves their mamba slots first (``anchors.inside.reserve``).
+- ``scheduler.Scheduler.set_internal_state`` (around): serves a GPU expert cache resize
+  (``freetoken_sglang.control``: ``POST /freetoken/cache``, ``control.resize_cache(engine)``)
+  at this safe point between batches; other requests go to SGLang.
+- ``scheduler.Scheduler.process_input_requests`` (after): ``--freetoken-min-free-gb``'s
+  free-memory watch (``FreeTokenRuntime.watch_free_memory``), once a second at most.
 - ``scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats``
   (after): on the steps SGLang logs decode stats, logs the cache's hit rate and counts.
 """
@@ -113,6 +118,33 @@ def run_batch(original, self, batch, *args, **kwargs):
         rt.anchor_snaps = None
 
 
+def set_internal_state(original, self, recv_req, *args, **kwargs):
+    """A FreeToken cache resize (``freetoken_sglang.control``) is served here, at the
+    scheduler's safe point between batches; every other request goes to SGLang."""
+    from freetoken_sglang import control
+
+    server_args = getattr(recv_req, "server_args", None)
+    if not isinstance(server_args, dict) or control.KEY_ID not in server_args:
+        return original(self, recv_req, *args, **kwargs)
+    from sglang.srt.managers.io_struct import SetInternalStateReqOutput
+
+    from freetoken_sglang.runtime import get_runtime
+
+    answer = control.serve(get_runtime(), server_args)
+    return SetInternalStateReqOutput(updated=bool(answer["ok"]))
+
+
+def process_input_requests(result, self, *args, **kwargs):
+    """``--freetoken-min-free-gb``: the free-memory watch runs at this safe point of every
+    scheduler loop iteration (at most once a second)."""
+    from freetoken_sglang.runtime import get_runtime
+
+    rt = get_runtime()
+    if rt is not None and rt.config.min_free_gb is not None:
+        rt.watch_free_memory()
+    return None
+
+
 def report_decode_stats(result, self, *args, **kwargs):
     from freetoken_sglang.runtime import get_runtime
 
@@ -129,6 +161,10 @@ def report_decode_stats(result, self, *args, **kwargs):
 HOOKS = [
     Hook("sglang.srt.managers.scheduler.Scheduler.__init__", scheduler_init_refusal, "around"),
     Hook("sglang.srt.managers.scheduler.Scheduler.run_batch", run_batch, "around"),
+    Hook("sglang.srt.managers.scheduler.Scheduler.set_internal_state", set_internal_state,
+         "around"),
+    Hook("sglang.srt.managers.scheduler.Scheduler.process_input_requests",
+         process_input_requests, "after"),
     Hook(
         "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
         get_internal_state,

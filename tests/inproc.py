@@ -137,10 +137,14 @@ def check_dummy_values(model_path: str, **kw) -> dict:
     return out
 
 
-def check_engine(model_path: str, **kw) -> dict:
+def check_engine(model_path: str, resize_to=None, **kw) -> dict:
     """``sglang.Engine(..., enable_freetoken=True, freetoken_*=...)``: generate and read the
-    counters through ``get_server_info``."""
+    counters through ``get_server_info``; with ``resize_to``, then resize the cache to that
+    many slots (``freetoken_sglang.resize_cache``), try a refused size (1 slot) and generate
+    the same again."""
     import sglang as sgl
+
+    import freetoken_sglang
 
     engine = sgl.Engine(
         model_path=model_path,
@@ -156,9 +160,22 @@ def check_engine(model_path: str, **kw) -> dict:
             sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
         )
         stats = engine.get_server_info()["internal_states"][0]["freetoken"]
+        result = {"output_ids": [o["output_ids"] for o in out], "stats": stats}
+        if resize_to is not None:
+            result["resize"] = freetoken_sglang.resize_cache(engine, slots=resize_to)
+            try:
+                freetoken_sglang.resize_cache(engine, slots=1)
+            except ValueError as e:
+                result["refused"] = str(e)
+            again = engine.generate(
+                input_ids=[[5, 6, 7, 8], [9, 10, 11]],
+                sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
+            )
+            result["output_ids_after"] = [o["output_ids"] for o in again]
+            result["stats_after"] = engine.get_server_info()["internal_states"][0]["freetoken"]
     finally:
         engine.shutdown()
-    return {"output_ids": [o["output_ids"] for o in out], "stats": stats}
+    return result
 
 
 CHECKS = {"pool_layout": check_pool_layout, "engine": check_engine,

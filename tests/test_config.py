@@ -79,6 +79,8 @@ def test_miss_policy_flags():
          "--freetoken-cache-ratio has no effect with --freetoken-backend cpu"),
         ({"freetoken_backend": "cpu", "freetoken_miss_policy": "qstar"},
          "--freetoken-miss-policy has no effect"),
+        ({"freetoken_backend": "cpu", "freetoken_min_free_gb": 4},
+         "--freetoken-min-free-gb has no effect with --freetoken-backend cpu"),
         ({"freetoken_bandwidth": "10,20"}, "used only by --freetoken-miss-policy qstar"),
         ({"freetoken_cpu_threads": 4}, "--freetoken-cpu-threads is used only when"),
         ({"freetoken_cache_slots": 8, "freetoken_kv_reserve_gb": 4},

@@ -36,6 +36,14 @@ def test_cache_smaller_than_top_k_is_refused_with_the_minimum(tiny_checkpoint):
     assert "--freetoken-cache-slots 2" in log
 
 
+def test_min_free_gb_on_a_cpu_device_is_refused(tiny_checkpoint):
+    out = run_launch_server_expecting_failure(
+        tiny_checkpoint("qwen3_moe"), ["--enable-freetoken", "--freetoken-min-free-gb", "4"])
+    assert_clean_refusal(out)
+    assert "--freetoken-min-free-gb watches the GPU's free memory and needs a CUDA device" in (
+        out.stdout + out.stderr)
+
+
 def test_cache_smaller_than_one_layer_serves_in_waves(tiny_checkpoint, tmp_path):
     """5 slots, 8 experts per layer: a 2-expert wave buffer and a 3-slot LRU; every prefill
     chunk and most decode batches run in waves, and the tokens equal stock's."""
@@ -118,7 +126,13 @@ def test_cache_as_large_as_the_pool_keeps_every_expert_resident(tiny_checkpoint,
 
 def test_engine_keywords(tiny_checkpoint):
     path = tiny_checkpoint("qwen3_moe")
-    r = run_check("engine", path, freetoken_cache_slots=8)
+    r = run_check("engine", path, freetoken_cache_slots=8, resize_to=20)
     assert [len(o) for o in r["output_ids"]] == [8, 8]
     assert r["stats"]["cache"]["slots"] == 8
     assert r["stats"]["total"]["reads"] > 0
+    # freetoken_sglang.resize_cache(engine, ...): the same tokens from the resized cache
+    assert r["resize"]["ok"] and (r["resize"]["old_slots"], r["resize"]["new_slots"]) == (8, 20)
+    assert "top-" in r["refused"] and r["refused"].startswith("FreeToken cache resize refused")
+    assert r["output_ids_after"] == r["output_ids"]
+    assert r["stats_after"]["cache"]["slots"] == 20 and r["stats_after"]["cache"]["resizes"] == 1
+    assert r["stats_after"]["total"]["reads"] > r["stats"]["total"]["reads"]

@@ -15,6 +15,9 @@ def prefill_stream_counts(rt) -> Dict[str, object]:
     buffers) and ``lru_seeded`` (streamed experts the buffers gave back to the LRU)."""
     out = dict(layer_calls=0, experts_streamed=0, experts_reused=0, wave_calls=0, wait_s=0.0,
                lru_evicted=0, lru_seeded=0)
+    for key, value in (getattr(rt, "stream_carry", None) or {}).items():  # before resizes
+        if key in out:
+            out[key] += value
     stream = rt.executors.get("stream")
     if stream is not None:
         s = stream.snapshot()
@@ -65,6 +68,9 @@ def stats_document(rt) -> Dict[str, object]:
             "bytes": rt.cache.nbytes,
             "fill_mode": rt.cache.filler.mode if rt.cache.filler else None,
             "all_resident": rt.cache.all_resident,
+            "configured_slots": rt.configured_slots,
+            "resizes": rt.resizes,
+            "last_resize": rt.last_resize,
         }
     out["backend"] = rt.backend
     out["miss_policy"] = rt.policy.name if rt.policy else None

@@ -1,0 +1,148 @@
+"""Resizing the GPU expert cache while serving: what is kept, how it is put back, and when the free-memory watch resizes (paper §2.3, §3.3).
+
+Bookkeeping and the rules only; ``runtime.FreeTokenRuntime.resize_cache`` runs a resize at a
+scheduler safe point (no forward in flight): it frees the old slot banks, allocates the new
+ones, re-captures SGLang's CUDA graphs over them, and then puts the kept experts back with
+``install`` (copied again from the host pool, the source of truth, so a resize never needs the
+old and the new banks at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+from freetoken_sglang.cache.fills import Filler
+from freetoken_sglang.cache.residency import FillPlan, ResidencyState
+
+
+@dataclass(frozen=True)
+class ResizeReport:
+    """What one resize did (the answer of ``POST /freetoken/cache``).
+
+    Attributes:
+        old_slots, new_slots: slot rows before and after (LRU and prefill buffers).
+        old_bytes, new_bytes: bytes of the slot banks before and after.
+        kept: experts that stayed resident (the most recently used that fit).
+        dropped: resident experts that did not fit.
+        layout: the new split (``SlotLayout.describe``).
+        graphs_recaptured: CUDA-graph runners captured again (``decode``, ``prefill``).
+        seconds: wall time of the resize, graph capture included.
+        reason: ``request`` (HTTP or Engine) or ``min-free`` (``--freetoken-min-free-gb``).
+        free_bytes_after: free device memory after the resize (None on the CPU).
+    """
+
+    old_slots: int
+    new_slots: int
+    old_bytes: int
+    new_bytes: int
+    kept: int
+    dropped: int
+    layout: str
+    graphs_recaptured: Tuple[str, ...]
+    seconds: float
+    reason: str
+    free_bytes_after: Optional[int]
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["graphs_recaptured"] = list(self.graphs_recaptured)
+        return out
+
+
+def kept_experts(state: ResidencyState, limit: int) -> List[Tuple[int, int]]:
+    """The resident experts to keep, most recently used first, at most ``limit``.
+
+    Returns:
+        ``(flat expert id l*E+e, last-use clock stamp)`` pairs, by descending LRU key (the
+        order in which the LRU would keep them).
+    """
+    owner = state.owner[: state.num_slots].cpu()
+    key = state.key.cpu()
+    stamp = torch.div(key, max(1, state.num_slots), rounding_mode="floor")
+    held = (owner >= 0).nonzero().squeeze(1)
+    order = held[torch.argsort(key[held], descending=True)][: max(0, limit)]
+    return [(int(owner[s]), int(stamp[s])) for s in order.tolist()]
+
+
+def install(state: ResidencyState, filler: Optional[Filler], kept: List[Tuple[int, int]],
+            clock: int) -> None:
+    """Put ``kept`` (``kept_experts``' pairs) into slots ``0 .. n-1`` of an empty cache, with
+    their stamps and the old clock, so the LRU order among them is what it was; slots past
+    them stay empty (first victims).
+
+    Raises:
+        ValueError: more experts than LRU slots.
+    """
+    n = len(kept)
+    if n > state.num_slots:
+        raise ValueError(f"{n} kept experts do not fit in {state.num_slots} LRU slots")
+    state.clock.fill_(clock)
+    if not n:
+        return
+    dev = state.owner.device
+    flat = torch.tensor([f for f, _ in kept], dtype=torch.int32, device=dev)
+    slots = torch.arange(n, dtype=torch.int32, device=dev)
+    stamps = torch.tensor([s for _, s in kept], dtype=torch.int64, device=dev)
+    if filler is not None:
+        filler.run(FillPlan(src=flat, dst=slots, count=torch.tensor([n], dtype=torch.int32,
+                                                                       device=dev)))
+    state.residency[flat.long()] = slots
+    state.owner[:n] = flat
+    state.key[:n] = stamps * state.num_slots + slots.long()
+
+
+def check_invariants(state: ResidencyState) -> List[str]:
+    """Problems of the residency state (empty when consistent): every slot's owner maps back
+    to that slot and the reverse, the sinks are empty and the LRU keys are unique."""
+    res = state.residency.cpu()
+    owner = state.owner.cpu()
+    key = state.key.cpu()
+    S = state.num_slots
+    problems = []
+    if int(res[-1]) != -1 or int(owner[-1]) != -1:
+        problems.append("a sink entry is set")
+    held = (owner[:S] >= 0).nonzero().squeeze(1).tolist()
+    for s in held:
+        if int(res[int(owner[s])]) != s:
+            problems.append(f"slot {s} holds expert {int(owner[s])}, which maps to "
+                            f"{int(res[int(owner[s])])}")
+    mapped = (res[:-1] >= 0).nonzero().squeeze(1).tolist()
+    if len(mapped) != len(held):
+        problems.append(f"{len(mapped)} experts map to a slot but {len(held)} slots are held")
+    for e in mapped:
+        if int(res[e]) >= S or int(owner[int(res[e])]) != e:
+            problems.append(f"expert {e} maps to slot {int(res[e])}, which does not hold it")
+    if len(set(key.tolist())) != S:
+        problems.append("LRU keys are not unique")
+    return problems
+
+
+def min_free_target(
+    num_slots: int,
+    configured_slots: int,
+    min_slots: int,
+    free_bytes: int,
+    min_free_bytes: int,
+    slot_bytes: int,
+    grow_step: int,
+) -> Optional[int]:
+    """The slot count ``--freetoken-min-free-gb`` asks for now, or None to stay.
+
+    Shrinks (to no fewer than ``min_slots``) by the slots that bring free device memory back
+    to ``min_free_bytes``; grows back towards ``configured_slots`` only when at least
+    ``grow_step`` slots (or what is left to the configured size) fit above that floor, so a
+    desktop's small allocations do not make it resize back and forth.
+    """
+    if free_bytes < min_free_bytes:
+        short = min_free_bytes - free_bytes
+        want = max(min_slots, num_slots - -(-short // slot_bytes))
+        return want if want < num_slots else None
+    if num_slots < configured_slots:
+        room = (free_bytes - min_free_bytes) // slot_bytes
+        step = min(configured_slots - num_slots, room)
+        if step >= min(grow_step, configured_slots - num_slots) and step > 0:
+            return num_slots + step
+    return None

@@ -1,0 +1,191 @@
+"""Resizing the GPU expert cache while serving (``cache/resize.py``,
+``FreeTokenRuntime.resize_cache``, ``POST /freetoken/cache``): what a resize keeps, the
+free-memory rule, and a CPU-run server that shrinks and grows its cache three times under 8
+concurrent streaming requests, token for token with stock SGLang."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from freetoken_sglang.cache.residency import ResidencyState, decide
+from freetoken_sglang.cache.resize import check_invariants, install, kept_experts, min_free_target
+from freetoken_sglang.control import parse_body
+from test_e2e_families import _top2, assert_same_tokens
+
+
+def _state_after_calls(num_slots=6, layers=2, experts=8, calls=((0, [1, 2]), (1, [3, 4]),
+                                                                (0, [5, 1]), (1, [0, 7]))):
+    st = ResidencyState(layers * experts, num_slots, "cpu")
+    counters = torch.zeros(5, layers, dtype=torch.int64)
+    for ordinal, ids in calls:
+        t = torch.tensor([ids], dtype=torch.int32)
+        decide(st, counters, ordinal, experts, t, torch.ones(1, len(ids)),
+               torch.tensor([1], dtype=torch.int32))
+    return st
+
+
+def test_kept_experts_are_the_most_recently_used_in_lru_order():
+    st = _state_after_calls()
+    assert check_invariants(st) == []
+    # 6 slots, 8 uses: the two oldest (layer 0: 2, layer 1: 3/4) were evicted. Stamps: the
+    # call's clock value; within a call, the lower slot first in key order (descending: higher).
+    kept = kept_experts(st, 10)
+    flats = [f for f, _ in kept]
+    stamps = [s for _, s in kept]
+    assert stamps == sorted(stamps, reverse=True)
+    assert set(flats) == {int(x) for x in st.owner[:6] if x >= 0}
+    assert set(flats[:2]) == {8 + 0, 8 + 7} and stamps[:2] == [4, 4]
+    assert set(flats[2:4]) == {5, 1} and stamps[2:4] == [3, 3]
+    assert kept_experts(st, 3) == kept[:3]
+
+
+def test_install_restores_the_lru_order_in_a_smaller_state():
+    st = _state_after_calls()
+    kept = kept_experts(st, 3)
+    small = ResidencyState(st.num_rows, 3, "cpu")
+    install(small, None, kept, int(st.clock))
+    assert check_invariants(small) == []
+    assert int(small.clock) == int(st.clock)
+    for slot, (flat, stamp) in enumerate(kept):
+        assert int(small.residency[flat]) == slot and int(small.owner[slot]) == flat
+        assert int(small.stamp[slot]) == stamp
+    # the next miss evicts the least recently used of the kept ones (the last in ``kept``)
+    counters = torch.zeros(5, 2, dtype=torch.int64)
+    decide(small, counters, 0, 8, torch.tensor([[6]], dtype=torch.int32), torch.ones(1, 1),
+           torch.tensor([1], dtype=torch.int32))
+    assert int(small.residency[kept[-1][0]]) == -1 and int(small.residency[6]) >= 0
+    assert check_invariants(small) == []
+    with pytest.raises(ValueError, match="do not fit"):
+        install(ResidencyState(16, 2, "cpu"), None, kept, 0)
+
+
+def test_invariant_check_sees_a_broken_state():
+    st = _state_after_calls()
+    st.residency[int(st.owner[0])] = 5 if int(st.residency[int(st.owner[0])]) != 5 else 4
+    assert check_invariants(st)
+
+
+def test_min_free_rule():
+    gib = 1 << 30
+    # 1 GiB slots; 2 GiB free, 5 wanted: shrink by 3
+    assert min_free_target(10, 10, 2, 2 * gib, 5 * gib, gib, 1) == 7
+    # never below top-k
+    assert min_free_target(4, 10, 2, 0, 50 * gib, gib, 1) == 2
+    assert min_free_target(2, 10, 2, 0, 50 * gib, gib, 1) is None
+    # enough free: stay at the configured size; grow back only by at least the step
+    assert min_free_target(10, 10, 2, 50 * gib, 5 * gib, gib, 3) is None
+    assert min_free_target(6, 10, 2, 7 * gib, 5 * gib, gib, 3) is None  # room for 2 < 3
+    assert min_free_target(6, 10, 2, 8 * gib, 5 * gib, gib, 3) == 9
+    assert min_free_target(9, 10, 2, 7 * gib, 5 * gib, gib, 3) == 10  # the last one is fine
+    assert min_free_target(6, 10, 2, 90 * gib, 5 * gib, gib, 3) == 10
+
+
+@pytest.mark.parametrize("body", [[], {}, {"gb": 1, "slots": 2}, {"slots": 0}, {"slots": 1.5},
+                                  {"gb": -1}, {"gb": "2"}, {"size": 3}, {"slots": True}])
+def test_bad_resize_bodies_are_refused(body):
+    with pytest.raises(ValueError):
+        parse_body(body)
+
+
+# ---- end to end on the CPU-run SGLang ------------------------------------------------------
+SHAPE = dict(num_layers=4, num_experts=16, top_k=4)  # 64 experts in the pool
+# shrink and grow three times; 12 holds no prefill buffer (waves), 40 two full layers + k
+SIZES = [8, 40, 5, 24, 4, 64]
+STREAMED = [([(i * 11 + j * 7) % 300 + 20 for j in range(6 + 9 * i)], 64 + 4 * i)
+            for i in range(8)]
+
+
+def _stream_batch(url, out, marks):
+    """The 8 requests as one streaming /generate (so that stock and FreeToken batch them
+    alike), with each position's top-2 logprobs; ``out[index]`` gets each request's last
+    chunk, ``marks`` the arrival times."""
+    r = requests.post(
+        url + "/generate",
+        json={"input_ids": [p for p, _ in STREAMED],
+              "sampling_params": [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+                                  for _, n in STREAMED],
+              "return_logprob": True, "top_logprobs_num": 2, "stream": True},
+        stream=True, timeout=600,
+    )
+    r.raise_for_status()
+    for line in r.iter_lines():
+        if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[5:])
+        out[chunk.get("index", 0)] = chunk
+        marks.append(time.monotonic())
+
+
+def _run(url, resize):
+    """``({"concurrent": ids, "top2": ...}, resize answers, time of the last chunk)``."""
+    out, marks, answers = {}, [], []
+    t = threading.Thread(target=_stream_batch, args=(url, out, marks))
+    t.start()
+    if resize:
+        while len(marks) < 16 and t.is_alive():  # decode under way for every request
+            time.sleep(0.01)
+        for size in SIZES:
+            r = requests.post(url + "/freetoken/cache", json={"slots": size}, timeout=300)
+            stats = requests.get(url + "/freetoken/stats", timeout=60).json()
+            answers.append((size, r.status_code, r.json(), time.monotonic(), stats))
+    t.join()
+    chunks = [out[i] for i in range(len(STREAMED))]
+    got = {"concurrent": [c["output_ids"] for c in chunks],
+           "top2": {"concurrent": [_top2(c) for c in chunks]}}
+    return got, answers, marks[-1] if marks else None
+
+
+def test_resize_under_load_matches_stock_sglang(tiny_checkpoint, tmp_path):
+    from sglang_cpu import start_server
+
+    path = tiny_checkpoint("qwen3_moe", **SHAPE)
+    stock = start_server(path, log_path=str(tmp_path / "stock.log"))
+    try:
+        want, _, _ = _run(stock.url, resize=False)
+    finally:
+        stock.stop()
+    ft = start_server(path, ["--enable-freetoken", "--freetoken-cache-slots", "16"],
+                      log_path=str(tmp_path / "ft.log"))
+    try:
+        got, answers, last_chunk = _run(ft.url, resize=True)
+        bad = requests.post(ft.url + "/freetoken/cache", json={"slots": 3}, timeout=60)
+        final = requests.get(ft.url + "/freetoken/stats", timeout=60).json()
+        log = ft.log()
+    finally:
+        ft.stop()
+    # one batch request: the same batches as stock's; token for token (fp32 near-ties aside)
+    assert [len(g) for g in got["concurrent"]] == [n for _, n in STREAMED]
+    assert_same_tokens(got, want, "resized under load")
+    # every resize was done while the 8 requests were decoding, and said what it did
+    assert answers[-1][3] < last_chunk, "the requests ended before the last resize"
+    old = 16
+    reads_before = 0
+    for n, (size, status, body, _, stats) in enumerate(answers, 1):
+        assert status == 200 and body["ok"], body
+        assert (body["old_slots"], body["new_slots"]) == (old, size)
+        assert stats["cache"]["slots"] == size and stats["cache"]["resizes"] == n
+        assert stats["cache"]["last_resize"]["id"] == body["id"]
+        # the most recently used experts that fit the new LRU were kept
+        if not stats["cache"]["all_resident"]:
+            assert body["kept"] == min(body["kept"] + body["dropped"],
+                                       stats["cache"]["lru_slots"])
+        assert body["graphs_recaptured"] == []  # no CUDA graphs on the CPU
+        # counters go on across resizes (never reset), and add up for the fill policy
+        tot = stats["total"]
+        assert tot["reads"] >= reads_before and tot["reads"] == tot["hits"] + tot["fills"]
+        assert tot["evictions"] <= tot["fills"]
+        reads_before = tot["reads"]
+        old = size
+    shrink = [a[2] for a in answers if a[2]["new_slots"] < a[2]["old_slots"]]
+    assert len(shrink) == 3 and shrink[0]["kept"] == 4  # 16 -> 8: 4 LRU slots + 4 for waves
+    assert answers[-1][2]["layout"] == "every expert resident"
+    # a size below top-k is refused with a one-line reason; the cache is unchanged
+    assert bad.status_code == 400 and "top-4" in bad.json()["error"]
+    assert final["cache"]["slots"] == 64 and final["cache"]["resizes"] == len(SIZES)
+    assert log.count("GPU expert cache resized (request)") == len(SIZES)
