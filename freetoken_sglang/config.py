@@ -278,6 +278,25 @@ class FreeTokenConfig:
             "benchmarks/replay.py). Off by default, and free when off.",
         ),
     )
+    replay_routing: Optional[str] = field(
+        default=None,
+        metadata=dict(
+            type=str,
+            help="Benchmarks only: every MoE layer routes to this routing trace's top-k ids, "
+            "row after row, instead of its router's (observe/routing_replay.py), so that "
+            "dummy-weight runs see a recorded or trained model's routing; outputs are then "
+            "not the model's. The trace's experts and top-k must be the model's. Off by "
+            "default, and free when off.",
+        ),
+    )
+    replay_phase: str = field(
+        default="all",
+        metadata=dict(
+            type=_choice("all", "decode"),
+            help="With --freetoken-replay-routing: replay all the trace's rows in order "
+            "(default) or only its decode steps' rows.",
+        ),
+    )
     ftw: Optional[str] = field(
         default=None,
         metadata=dict(
@@ -418,6 +437,8 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
             problems.append(
                 "--freetoken-kv-reserve-gb applies only without a cache-size flag"
             )
+    if cfg.replay_routing is None and "replay_phase" in given:
+        problems.append("--freetoken-replay-phase is used only with --freetoken-replay-routing")
     if cfg.anchors == "off":
         for name in ANCHOR_FLAGS:
             if name in given:
@@ -504,6 +525,8 @@ def _anchor_overrides(kwargs: Dict[str, Any], cfg: FreeTokenConfig) -> None:
                 "(Qwen3-Next, Qwen3.5-MoE) only: drop it"
             )
         return
+    if cfg.replay_routing is None and "replay_phase" in given:
+        problems.append("--freetoken-replay-phase is used only with --freetoken-replay-routing")
     if cfg.anchors == "off":
         return
     problems = []

@@ -136,6 +136,9 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         topk_output = dispatch_output.topk_output
         if not TopKOutputChecker.format_is_standard(topk_output):
             topk_output = topk_output.to_standard()
+        if rt.replay is not None:  # benchmarks only (observe/routing_replay.py)
+            topk_output = topk_output._replace(
+                topk_ids=rt.replay.ids_for(self.ordinal, topk_output.topk_ids))
         call = LayerCall(
             layer=layer,
             ordinal=self.ordinal,

@@ -87,6 +87,7 @@ class FreeTokenRuntime:
         self.executor = None
         self.cpu_branch = None
         self.recorder = None
+        self.replay = None  # --freetoken-replay-routing (benchmarks only)
         self.choice: Optional[ExecutorChoice] = None
         self.executors: Dict[str, object] = {}
         # Phase of the forward in flight (decode / extend), set per forward and during
@@ -237,6 +238,14 @@ class FreeTokenRuntime:
                 max_tokens,
                 meta={"model": self.model_path, "synthetic": False, "family": self.family},
             )
+        if self.config.replay_routing:
+            from freetoken_sglang.observe.routing_replay import RoutingReplay
+
+            self.replay = RoutingReplay(
+                self.config.replay_routing, len(self.moe_layer_ids), self.num_experts,
+                self.top_k, self.device, self.config.replay_phase,
+            )
+            logger.warning("FreeToken: %s", self.replay.describe())
         self.load_report = {
             "load_seconds": load_seconds,
             "pin_seconds": pin_s,
@@ -449,12 +458,14 @@ class FreeTokenRuntime:
         self.num_valid.fill_(num_tokens)
 
     def end_step(self, phase: str, num_tokens: int) -> None:
-        """After a forward step: raise if a CPU expert run failed, and append the step's
-        routing to the trace when recording."""
+        """After a forward step: raise if a CPU expert run failed, append the step's routing
+        to the trace when recording, and move the routing replay on."""
         if self.cpu_branch is not None:
             self.cpu_branch.check()
         if self.recorder is not None:
             self.recorder.end_step(phase, num_tokens)
+        if self.replay is not None:
+            self.replay.advance(num_tokens)
 
     def reset_cache(self) -> None:
         """Empty the cache and zero the counters (after graph capture ran dummy batches; a
@@ -466,6 +477,8 @@ class FreeTokenRuntime:
         for ex in self.executors.values():
             if hasattr(ex, "reset"):
                 ex.reset()
+        if self.replay is not None and not self.resizing:
+            self.replay.reset()
 
     # ---- resize (cache/resize.py) ---------------------------------------------------------
     def resize_cache(self, slots: Optional[int] = None, gb: Optional[float] = None,

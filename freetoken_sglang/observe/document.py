@@ -91,6 +91,8 @@ def stats_document(rt) -> Dict[str, object]:
     if rt.executors:
         out["prefill_stream"] = prefill_stream_counts(rt)
     out["forwards"] = dict(rt.forwards)
+    replay = getattr(rt, "replay", None)  # benchmarks only: the routing is not the model's
+    out["routing_replay"] = replay.snapshot() if replay is not None else None
     out["load"] = dict(rt.load_report)
     anchors = getattr(rt, "anchors", None)
     out["anchors"] = anchors.snapshot() if anchors is not None else None

@@ -1,0 +1,104 @@
+"""Benchmark-only routing replay (``--freetoken-replay-routing``): every MoE layer call routes to a recorded trace's top-k ids instead of its router's, so that dummy-weight benchmarks see a trained model's routing.
+
+The trace's token rows (``observe/routing_trace.py``; all rows, or only its decode rows) are
+consumed in order by the forwards, cycling at the end: a forward of ``T`` real rows takes the
+next ``T`` rows, the same rows for every MoE layer. MoE layer ``l`` of ``L`` reads trace layer
+``l * L_trace // L`` (layers spread evenly); the number of experts and top-k must be the
+model's. The router's weights are kept (they then belong to other experts: outputs are not
+the model's). The ids are gathered on the device from a device cursor, so CUDA graphs capture
+the replay; off, nothing runs (one attribute check per layer call).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List
+
+import numpy as np
+import torch
+
+from freetoken_sglang.errors import RefusedError
+from freetoken_sglang.observe.routing_trace import RoutingTrace
+
+logger = logging.getLogger(__name__)
+
+
+def layer_map(trace_layers: int, model_layers: int) -> List[int]:
+    """Trace layer of each of the model's MoE layers: ``l * trace_layers // model_layers``."""
+    return [l * trace_layers // model_layers for l in range(model_layers)]
+
+
+class RoutingReplay:
+    """Args:
+        path: the trace (``.npz``).
+        num_layers, num_experts, top_k: the model's MoE layers L, experts E and k.
+        device: the serving device.
+        phase: ``all`` (every row in order) or ``decode`` (the decode steps' rows only).
+
+    Raises:
+        RefusedError: the file is not a routing trace, its E or k differ from the model's, or
+            it has no row of the phase asked for.
+    """
+
+    def __init__(self, path: str, num_layers: int, num_experts: int, top_k: int, device,
+                 phase: str = "all"):
+        try:
+            trace = RoutingTrace.load(path)
+        except (OSError, ValueError) as e:
+            raise RefusedError(f"--freetoken-replay-routing {path}: {e}") from e
+        if (trace.num_experts, trace.top_k) != (num_experts, top_k):
+            raise RefusedError(
+                f"--freetoken-replay-routing {path}: the trace routes top-{trace.top_k} of "
+                f"{trace.num_experts} experts, the model top-{top_k} of {num_experts}; record "
+                "or train the trace with the model's experts and top-k"
+            )
+        ids = trace.ids
+        if phase == "decode":
+            keep = np.repeat(trace.phase == 1, trace.num_tokens)
+            ids = ids[keep]
+        if not ids.shape[0]:
+            raise RefusedError(f"--freetoken-replay-routing {path}: no {phase} rows")
+        self.path = path
+        self.phase = phase
+        self.meta = dict(trace.meta)
+        self.trace_layers = trace.num_layers
+        self.layers = layer_map(trace.num_layers, num_layers)
+        self.num_rows = int(ids.shape[0])
+        # [L_trace, R, k]: one contiguous table per trace layer
+        self.table = torch.from_numpy(np.ascontiguousarray(ids.transpose(1, 0, 2))).to(
+            device=device, dtype=torch.int32)
+        self.cursor = torch.zeros(1, dtype=torch.int64, device=device)
+        self.rows_used = 0  # host count of the rows consumed (stats)
+
+    def ids_for(self, ordinal: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The replayed ids ``[T, k]`` (dtype of ``topk_ids``) of MoE layer ``ordinal`` for
+        a call shaped like ``topk_ids``: rows ``cursor .. cursor + T - 1`` (cyclic)."""
+        t = topk_ids.shape[0]
+        rows = torch.remainder(
+            self.cursor + torch.arange(t, device=topk_ids.device), self.num_rows)
+        return self.table[self.layers[ordinal]].index_select(0, rows).to(topk_ids.dtype)
+
+    def advance(self, num_tokens: int) -> None:
+        """After a forward of ``num_tokens`` real rows (no host sync)."""
+        self.cursor.add_(num_tokens)
+        self.rows_used += num_tokens
+
+    def reset(self) -> None:
+        """Back to the first row (after CUDA-graph capture ran dummy batches)."""
+        self.cursor.zero_()
+        self.rows_used = 0
+
+    def describe(self) -> str:
+        what = "synthetic routing" if self.meta.get("synthetic") else (
+            f"the routing of {self.meta.get('model') or 'an unnamed model'}")
+        note = self.meta.get("note") or self.meta.get("small_model")
+        return (
+            f"ROUTING REPLAYED (benchmark only; outputs are not the model's): {self.num_rows} "
+            f"{self.phase} rows of {self.path} ({what}{'; ' + str(note) if note else ''}), "
+            f"trace layers {self.layers} for the model's MoE layers"
+        )
+
+    def snapshot(self) -> dict:
+        return {"path": self.path, "phase": self.phase, "rows": self.num_rows,
+                "rows_used": self.rows_used, "layer_map": self.layers,
+                "synthetic": bool(self.meta.get("synthetic")), "model": self.meta.get("model")}
