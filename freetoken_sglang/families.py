@@ -114,6 +114,16 @@ def quantization_problem(quant) -> Optional[str]:
     q = quant if isinstance(quant, dict) else getattr(quant, "to_dict", lambda: {})()
     method = q.get("quant_method")
     served = ", ".join(sorted(QUANTIZATIONS))
+    algo = str(q.get("quant_algo") or "").upper()
+    if method == "mxfp4":
+        return ("MXFP4 experts (GPT-OSS) are not served yet: the GptOssForCausalLM family and "
+                "an MXFP4 MoE over cache slots are not built (the CPU executor already reads "
+                "MXFP4); serve a BF16 or FP8-block checkpoint")
+    if method in ("modelopt_fp4", "nvfp4") or (method == "modelopt" and "FP4" in algo):
+        return ("NVFP4 experts (ModelOpt FP4) are not served yet: on Hopper GPUs such as the "
+                "H200, SGLang 0.5.17 runs NVFP4 MoE only through its Marlin W4A16 fallback, "
+                "which FreeToken does not drive over cache slots yet (the CPU executor already "
+                "reads NVFP4); serve a BF16 or FP8-block checkpoint")
     if method not in QUANTIZATIONS:
         return (f"quantization {method!r} is not served yet (served: BF16, FP16, FP32 and "
                 f"{served}); serve a checkpoint in one of those")

@@ -193,3 +193,17 @@ def test_launch_server_rejects_bad_value_before_loading():
     )
     assert out.returncode == 2
     assert "--freetoken-cache-ratio: expected a number, got 'lots'" in out.stderr
+
+
+@pytest.mark.parametrize("quant,needle", [
+    ({"quant_method": "mxfp4"}, "MXFP4 experts (GPT-OSS) are not served yet: the GptOssForCausalLM"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"},
+     "NVFP4 experts (ModelOpt FP4) are not served yet: on Hopper GPUs such as the H200"),
+    ({"quant_method": "modelopt_fp4"}, "Marlin W4A16 fallback"),
+    ({"quant_method": "awq", "bits": 4}, "quantization 'awq' is not served yet"),
+])
+def test_unserved_quantizations_name_why(quant, needle):
+    from freetoken_sglang.families import quantization_problem
+
+    assert needle in quantization_problem(quant)
+    assert quantization_problem({"quant_method": "fp8", "weight_block_size": [128, 128]}) is None
