@@ -11,8 +11,9 @@ run. After ``--window-s`` of load, each size in ``--sizes`` (fractions of the po
 in turn, ``--window-s`` apart. Per resize: the server's answer (``ResizeReport``: seconds,
 kept, dropped, graphs captured again), the client's round trip, decode tok/s of every stream
 together in the window before, during the resize and in the window after, and ``nvidia-smi``'s
-used and free memory before and after. After each shrink another process allocates all free
-GPU memory but ``--margin-gib`` (it must succeed: the freed memory went back to the device).
+used and free memory before and after. After each shrink, free memory must have grown by at
+least 90% of the bytes freed, and another process allocates all free GPU memory but
+``--margin-gib`` (it must succeed: the freed memory went back to the device).
 A greedy probe request (batch 1) before the load and after it must give the same tokens.
 """
 
@@ -184,6 +185,11 @@ def main(argv=None) -> int:
             row = {"fraction": frac, "slots": slots, "status": r.status_code, "answer": body,
                    "round_trip_s": t1 - t0, "smi_before": before, "smi_after": after}
             if body.get("ok") and body["new_slots"] < body["old_slots"] and after:
+                # the freed bytes went back to the device (not kept in torch's allocator) ...
+                freed = (body["old_bytes"] - body["new_bytes"]) / 2**20
+                row["free_gain_mib"] = after["free_mib"] - before["free_mib"]
+                row["freed_returned"] = row["free_gain_mib"] >= 0.9 * freed
+                # ... and another process can take them
                 row["allocate_elsewhere"] = allocate_elsewhere(
                     after["free_mib"] / 1024 - a.margin_gib)
             time.sleep(a.window_s)
@@ -206,6 +212,7 @@ def main(argv=None) -> int:
     print("probe equal:", result["probe_equal"], "load errors:", len(result["load_errors"]))
     ok = result["probe_equal"] and not result["load_errors"] and all(
         r["status"] == 200 and r.get("allocate_elsewhere", {"ok": True})["ok"]
+        and r.get("freed_returned", True)
         for r in result["resizes"])
     return 0 if ok else 1
 

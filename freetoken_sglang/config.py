@@ -525,8 +525,6 @@ def _anchor_overrides(kwargs: Dict[str, Any], cfg: FreeTokenConfig) -> None:
                 "(Qwen3-Next, Qwen3.5-MoE) only: drop it"
             )
         return
-    if cfg.replay_routing is None and "replay_phase" in given:
-        problems.append("--freetoken-replay-phase is used only with --freetoken-replay-routing")
     if cfg.anchors == "off":
         return
     problems = []
@@ -577,7 +575,13 @@ def apply_server_args_overrides(
     if kwargs.get("quantization"):
         from freetoken_sglang.experts.formats import QUANTIZATIONS
 
-        if kwargs["quantization"] not in QUANTIZATIONS:
+        from freetoken_sglang.families import quantization_problem
+
+        named = quantization_problem({"quant_method": kwargs["quantization"],
+                                      "weight_block_size": [128, 128]})
+        if kwargs["quantization"] not in QUANTIZATIONS and named and "not served yet:" in named:
+            problems.append(f"--quantization {kwargs['quantization']}: {named}")
+        elif kwargs["quantization"] not in QUANTIZATIONS:
             problems.append(
                 f"--quantization {kwargs['quantization']} is not served yet: FreeToken "
                 f"serves BF16, FP16 and FP32 experts and checkpoints quantized as "

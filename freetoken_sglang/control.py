@@ -9,6 +9,7 @@ that safe point (``FreeTokenRuntime.resize_cache``) and keeps the answer as the 
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Mapping, Optional
 
@@ -37,24 +38,35 @@ def parse_body(body) -> dict:
             raise ValueError(f'"slots" must be a positive whole number, got {n!r}')
         return {"slots": n}
     g = body["gb"]
-    if isinstance(g, bool) or not isinstance(g, (int, float)) or not g > 0:
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g <= 0:
         raise ValueError(f'"gb" must be a positive number of GiB, got {g!r}')
     return {"gb": float(g)}
 
 
+ANSWERS_KEPT = 16  # answers the scheduler keeps for their callers, by request id
+
+
 def serve(rt, args: Mapping) -> dict:
     """Scheduler side: carry out the request in ``args`` (``set_internal_state``'s
-    ``server_args``) on the runtime ``rt``; the answer also becomes ``rt.last_resize``."""
+    ``server_args``) on the runtime ``rt``; the answer is kept under its id in
+    ``rt.resize_answers`` (the last few) and as ``rt.last_resize``."""
     rid = int(args[KEY_ID])
+    unknown = sorted(set(args) - {KEY_ID, KEY_SLOTS, KEY_GB})
     if rt is None:
-        answer = {"id": rid, "ok": False, "error": "FreeToken is not serving"}
-    else:
-        try:
-            report = rt.resize_cache(slots=args.get(KEY_SLOTS), gb=args.get(KEY_GB))
-            answer = {"id": rid, "ok": True, **report.as_dict()}
-        except ValueError as e:
-            answer = {"id": rid, "ok": False, "error": str(e)}
-        rt.last_resize = answer
+        return {"id": rid, "ok": False, "error": "FreeToken is not serving"}
+    try:
+        if unknown:
+            raise ValueError(f"a FreeToken resize carries only its size, got {unknown} too")
+        size = parse_body({k: args[key] for k, key in (("slots", KEY_SLOTS), ("gb", KEY_GB))
+                           if key in args})
+        report = rt.resize_cache(**size)
+        answer = {"id": rid, "ok": True, **report.as_dict()}
+    except (ValueError, TypeError, OverflowError) as e:
+        answer = {"id": rid, "ok": False, "error": str(e)}
+    rt.last_resize = answer
+    rt.resize_answers[rid] = answer
+    while len(rt.resize_answers) > ANSWERS_KEPT:
+        rt.resize_answers.pop(next(iter(rt.resize_answers)))
     return answer
 
 
@@ -70,8 +82,8 @@ async def request_resize(tokenizer_manager, slots: Optional[int] = None,
     states = await tokenizer_manager.get_internal_state()
     for state in states:
         doc = state.get("freetoken") if isinstance(state, dict) else None
-        answer = ((doc or {}).get("cache") or {}).get("last_resize")
-        if answer and answer.get("id") == rid:
+        answer = ((doc or {}).get("cache") or {}).get("resize_answers", {}).get(str(rid))
+        if answer:
             return answer
     return {"id": rid, "ok": False, "error": "FreeToken is not serving (no answer from the "
             "scheduler)"}

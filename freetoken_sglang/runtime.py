@@ -106,11 +106,11 @@ class FreeTokenRuntime:
         # again, the size the flags gave, and what the last resize did.
         self.model_runner = None
         self.configured_slots = 0
-        self.last_slots = 0
         self.resizes = 0
-        self.resizing = False
+        self.slack_bytes = 0  # SGLang's runtime slack (1 - mem_fraction_static), kept free
+        self.resize_answers: Dict[int, Dict[str, object]] = {}  # by request id, the last few
         self.last_resize: Optional[Dict[str, object]] = None
-        self._last_watch = 0.0
+        self._next_watch = 0.0
         self.stream_carry: Dict[str, float] = {}
         # Semantic anchors (hybrid models; anchors/): markers now, states once the
         # scheduler's radix cache exists (patches/scheduler.py).
@@ -214,6 +214,7 @@ class FreeTokenRuntime:
                         torch.cuda.get_device_properties(self.device).total_memory / GIB
                     )
                 slack = int(before_gb * GIB * (1 - sa.mem_fraction_static))
+                self.slack_bytes = slack
             size = resolve_num_slots(
                 self.config, self.pool, self.top_k, reason, free_bytes, slack or 0
             )
@@ -221,7 +222,7 @@ class FreeTokenRuntime:
         t1 = time.perf_counter()
         self.cache = self._new_cache(layout)
         self.model_runner = model_runner
-        self.configured_slots = self.last_slots = size.num_slots
+        self.configured_slots = size.num_slots
         self.counters = ExpertCounters(self.moe_layer_ids, self.device)
         alloc_s = time.perf_counter() - t1
         self._start_cpu_side(max_tokens)
@@ -469,15 +470,15 @@ class FreeTokenRuntime:
 
     def reset_cache(self) -> None:
         """Empty the cache and zero the counters (after graph capture ran dummy batches; a
-        resize keeps its counters)."""
+        resize restores its counters afterwards)."""
         if self.cache is not None:
             self.cache.reset()
-        if self.counters is not None and not self.resizing:
+        if self.counters is not None:
             self.counters.reset()
         for ex in self.executors.values():
             if hasattr(ex, "reset"):
                 ex.reset()
-        if self.replay is not None and not self.resizing:
+        if self.replay is not None:
             self.replay.reset()
 
     # ---- resize (cache/resize.py) ---------------------------------------------------------
@@ -510,102 +511,152 @@ class FreeTokenRuntime:
             )
         t0 = time.perf_counter()
         old = self.cache
+        clamped = want > new_slots
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            free = torch.cuda.mem_get_info(self.device)[0] + old.nbytes
+            free = torch.cuda.mem_get_info(self.device)[0] + old.nbytes - self.slack_bytes
             if new_slots * per > free:
                 raise ValueError(
                     f"{new_slots} slots need {new_slots * per / GIB:.2f} GiB but only "
-                    f"{free / GIB:.2f} GiB of GPU memory would be free; ask for fewer"
+                    f"{max(0, free) / GIB:.2f} GiB of GPU memory would be free after SGLang's "
+                    "runtime slack; ask for fewer"
                 )
         layout = self._plan_layout(new_slots)
-        resident_before = int((old.residency.owner[: old.residency.num_slots] >= 0).sum())
-        kept = kept_experts(old.residency, layout.lru_slots)
+        old_layout, old_slots = old.layout, old.num_slots
+        everything = kept_experts(old.residency, old.residency.num_slots)  # MRU first
         clock = int(old.residency.clock.item())
         cpu_stamp = old.residency.cpu_stamp.clone()
+        saved = self._serving_state()
         from freetoken_sglang.observe.document import prefill_stream_counts
 
         self.stream_carry = prefill_stream_counts(self)  # counts of the executors dropped now
-        # Free the old banks first: the kept experts come back from the host pool.
-        self.executors, self.cache = {}, None
+        graphs = self._captured_graphs()
         old = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        self.cache = self._new_cache(layout)
-        self._start_executors()
-        recaptured = self._recapture_graphs()
-        if not self.cache.all_resident:
-            install(self.cache.residency, self.cache.filler, kept, clock)
-        self.cache.residency.cpu_stamp.copy_(cpu_stamp)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._drop_cache(graphs)  # the old banks go first: the kept experts come from the pool
+        try:
+            recaptured = self._build_cache(layout, everything, clock, cpu_stamp, graphs)
+        except Exception as e:  # noqa: BLE001 - out of memory, a capture failure: roll back
+            logger.error("FreeToken: resizing the cache to %d slots failed (%s: %s); "
+                         "rebuilding it at %d slots", new_slots, type(e).__name__, e, old_slots)
+            self._drop_cache(graphs)
+            self._build_cache(old_layout, everything, clock, cpu_stamp, graphs)
+            self._restore_serving_state(saved)
+            raise ValueError(
+                f"the resize to {new_slots} slots failed ({type(e).__name__}: {e}); the cache "
+                f"was rebuilt at its old size of {old_slots} slots"
+            ) from e
+        self._restore_serving_state(saved)
+        if reason == "request":  # the size --freetoken-min-free-gb grows back to
+            self.configured_slots = new_slots
         self.resizes += 1
+        resident = len(everything)
+        kept = resident if self.cache.all_resident else min(resident, layout.lru_slots)
         report = ResizeReport(
-            old_slots=self.last_slots,
+            old_slots=old_slots,
             new_slots=self.cache.num_slots,
-            old_bytes=self.last_slots * per,
+            old_bytes=old_slots * per,
             new_bytes=self.cache.nbytes,
-            kept=len(kept) if not self.cache.all_resident else resident_before,
-            dropped=resident_before - len(kept) if not self.cache.all_resident else 0,
+            kept=kept,
+            dropped=resident - kept,
             layout=layout.describe(self.num_experts),
             graphs_recaptured=tuple(recaptured),
             seconds=time.perf_counter() - t0,
             reason=reason,
             free_bytes_after=torch.cuda.mem_get_info(self.device)[0]
             if self.device.type == "cuda" else None,
+            clamped_to_pool=clamped,
         )
-        self.last_slots = self.cache.num_slots
         logger.info(
             "FreeToken: GPU expert cache resized (%s) from %d to %d slots (%.2f -> %.2f GiB) "
-            "in %.2f s: kept %d experts, dropped %d; %s%s", reason, report.old_slots,
+            "in %.2f s: kept %d experts, dropped %d; %s%s%s", reason, report.old_slots,
             report.new_slots, report.old_bytes / GIB, report.new_bytes / GIB, report.seconds,
             report.kept, report.dropped, report.layout,
             f"; CUDA graphs captured again: {', '.join(recaptured)}" if recaptured else "",
+            f" ({want} slots asked for: clamped to the pool)" if clamped else "",
         )
         return report
 
-    def _recapture_graphs(self) -> list:
-        """Capture SGLang's CUDA graphs again over the new slot banks (``ModelRunner
-        .init_decode_cuda_graph`` / ``init_prefill_cuda_graph``, public methods of SGLang
-        0.5.17); the capture hook empties the cache afterwards, the counters are kept."""
+    def _captured_graphs(self) -> tuple:
+        """The phases whose CUDA graphs SGLang captured (``decode``, ``prefill``): runners
+        other than the eager one a disabled phase runs (``ModelRunner.eager_runner``)."""
         mr = self.model_runner
-        eager = getattr(mr, "eager_runner", None)  # what a disabled phase runs instead
+        eager = getattr(mr, "eager_runner", None)
+        return tuple(p for p in ("decode", "prefill")
+                     if getattr(mr, f"{p}_cuda_graph_runner", None) not in (None, eager))
 
-        def captured(name):
-            runner = getattr(mr, name, None)
-            return runner is not None and runner is not eager
+    def _drop_cache(self, graphs: tuple) -> None:
+        """Release the slot banks: the cache, its executors, and the captured graph runners
+        that reference them (a breakable prefill graph keeps the streamed executor's eager
+        function alive); the memory goes back to the device."""
+        for phase in graphs:
+            setattr(self.model_runner, f"{phase}_cuda_graph_runner", None)
+        self.executors, self.cache = {}, None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
-        done = []
-        self.resizing = True
-        try:
-            if captured("decode_cuda_graph_runner"):
-                mr.init_decode_cuda_graph()
-                done.append("decode")
-            if captured("prefill_cuda_graph_runner"):
-                mr.init_prefill_cuda_graph()
-                done.append("prefill")
-        finally:
-            self.resizing = False
-        return done
+    def _build_cache(self, layout: SlotLayout, everything, clock: int, cpu_stamp,
+                     graphs: tuple) -> list:
+        """A cache of ``layout`` with its executors and CUDA graphs, holding the most recent
+        of ``everything`` (``cache.resize.kept_experts``' pairs) that fit its LRU."""
+        from freetoken_sglang.cache.resize import install
+
+        self.cache = self._new_cache(layout)
+        self._start_executors()
+        recaptured = self._recapture_graphs(graphs)
+        if not self.cache.all_resident:
+            install(self.cache.residency, self.cache.filler, everything[: layout.lru_slots],
+                    clock)
+        self.cache.residency.cpu_stamp.copy_(cpu_stamp)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # what the capture allocated and freed
+        return recaptured
+
+    def _serving_state(self) -> tuple:
+        """What a graph capture's dummy batches would disturb: counters, forwards seen and
+        the routing replay's position."""
+        replay = (self.replay.cursor.clone(), self.replay.rows_used) if self.replay else None
+        return self.counters.counts.clone(), dict(self.forwards), replay
+
+    def _restore_serving_state(self, saved: tuple) -> None:
+        counts, forwards, replay = saved
+        self.counters.counts.copy_(counts)
+        self.forwards = forwards
+        if replay is not None:
+            self.replay.cursor.copy_(replay[0])
+            self.replay.rows_used = replay[1]
+
+    def _recapture_graphs(self, graphs: tuple) -> list:
+        """Capture SGLang's CUDA graphs of ``graphs`` again over the new slot banks
+        (``ModelRunner.init_decode_cuda_graph`` / ``init_prefill_cuda_graph``, public methods
+        of SGLang 0.5.17); the capture hook then empties the cache."""
+        mr = self.model_runner
+        if "decode" in graphs:
+            mr.init_decode_cuda_graph()
+        if "prefill" in graphs:
+            mr.init_prefill_cuda_graph()
+        return list(graphs)
 
     def watch_free_memory(self, now: Optional[float] = None) -> Optional["ResizeReport"]:
         """``--freetoken-min-free-gb``: at most once a second (at a scheduler safe point),
         shrink the cache when free device memory is under the floor and grow it back towards
-        the configured size when there is room again (``cache.resize.min_free_target``)."""
+        the configured size (or the last requested one) when there is room again
+        (``cache.resize.min_free_target``); after a failed resize, wait 30 s."""
         g = self.config.min_free_gb
         if g is None or self.device.type != "cuda" or self.cache is None:
             return None
         now = time.monotonic() if now is None else now
-        if now - self._last_watch < 1.0:
+        if now < self._next_watch:
             return None
-        self._last_watch = now
+        self._next_watch = now + 1.0
         from freetoken_sglang.cache.resize import min_free_target
 
         free = torch.cuda.mem_get_info(self.device)[0]
         target = min_free_target(
-            self.cache.num_slots, self.configured_slots, self.top_k, free, int(g * GIB),
-            self.pool.expert_bytes, grow_step=max(self.top_k, self.configured_slots // 20),
+            self.cache.num_slots, self.configured_slots, self.top_k, free,
+            int(g * GIB) + self.slack_bytes, self.pool.expert_bytes,
+            grow_step=max(self.top_k, self.configured_slots // 20),
         )
         if target is None:
             return None
@@ -617,9 +668,12 @@ class FreeTokenRuntime:
         try:
             report = self.resize_cache(slots=target, reason="min-free")
         except ValueError as e:
-            logger.warning("FreeToken: the min-free resize was not done: %s", e)
+            logger.warning("FreeToken: the min-free resize was not done (next try in 30 s): "
+                           "%s", e)
+            self._next_watch = now + 30.0
+            self.last_resize = {"id": None, "ok": False, "reason": "min-free", "error": str(e)}
             return None
-        self.last_resize = report.as_dict()
+        self.last_resize = {"id": None, "ok": True, **report.as_dict()}
         return report
 
     def stats(self) -> Dict[str, object]:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from fastapi import Request
+from sglang.srt.utils.auth import AuthLevel, auth_level
 
 from freetoken_sglang.patches import Hook
 
@@ -32,10 +33,12 @@ async def freetoken_stats():
     return JSONResponse(body)
 
 
+@auth_level(AuthLevel.ADMIN_OPTIONAL)  # as SGLang's own /set_internal_state
 async def freetoken_cache(request: Request):
     """``POST /freetoken/cache`` with ``{"gb": G}`` or ``{"slots": N}``: resize the GPU
     expert cache at the scheduler's next safe point. 200 with the ``ResizeReport`` fields;
-    400 with ``error`` for a bad body or a size the scheduler refused."""
+    400 with ``error`` for a bad body or a size the scheduler refused (404: FreeToken is not
+    serving). SGLang's admin auth level (``--admin-api-key``), as ``/set_internal_state``."""
     from fastapi.responses import JSONResponse
     from sglang.srt.entrypoints import http_server
 
@@ -47,7 +50,9 @@ async def freetoken_cache(request: Request):
         return JSONResponse({"ok": False, "error": str(e)}, status_code=400)
     answer = await control.request_resize(
         http_server.get_global_state().tokenizer_manager, **size)
-    return JSONResponse(answer, status_code=200 if answer.get("ok") else 400)
+    if answer.get("ok"):
+        return JSONResponse(answer)
+    return JSONResponse(answer, status_code=404 if "not serving" in answer["error"] else 400)
 
 
 def launch_server(server_args, *args, **kwargs):

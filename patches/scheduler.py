@@ -124,8 +124,15 @@ def set_internal_state(original, self, recv_req, *args, **kwargs):
     from freetoken_sglang import control
 
     server_args = getattr(recv_req, "server_args", None)
-    if not isinstance(server_args, dict) or control.KEY_ID not in server_args:
+    ours = isinstance(server_args, dict) and any(k.startswith("freetoken_") for k in server_args)
+    if not ours:
         return original(self, recv_req, *args, **kwargs)
+    if control.KEY_ID not in server_args:  # e.g. SGLang's own /set_internal_state
+        logger.warning("FreeToken: a cache resize goes through POST /freetoken/cache or "
+                       "freetoken_sglang.resize_cache, not /set_internal_state: refused")
+        from sglang.srt.managers.io_struct import SetInternalStateReqOutput
+
+        return SetInternalStateReqOutput(updated=False)
     from sglang.srt.managers.io_struct import SetInternalStateReqOutput
 
     from freetoken_sglang.runtime import get_runtime

@@ -32,6 +32,7 @@ class ResizeReport:
         seconds: wall time of the resize, graph capture included.
         reason: ``request`` (HTTP or Engine) or ``min-free`` (``--freetoken-min-free-gb``).
         free_bytes_after: free device memory after the resize (None on the CPU).
+        clamped_to_pool: more slots were asked for than the pool has experts.
     """
 
     old_slots: int
@@ -45,6 +46,7 @@ class ResizeReport:
     seconds: float
     reason: str
     free_bytes_after: Optional[int]
+    clamped_to_pool: bool = False
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -132,9 +134,10 @@ def min_free_target(
     """The slot count ``--freetoken-min-free-gb`` asks for now, or None to stay.
 
     Shrinks (to no fewer than ``min_slots``) by the slots that bring free device memory back
-    to ``min_free_bytes``; grows back towards ``configured_slots`` only when at least
-    ``grow_step`` slots (or what is left to the configured size) fit above that floor, so a
-    desktop's small allocations do not make it resize back and forth.
+    to ``min_free_bytes``. Grows back towards ``configured_slots`` only when at least two
+    ``grow_step``s of slots fit above that floor, and then leaves one ``grow_step`` of them
+    free, so that the capture of a resize or a desktop's small allocations do not make it
+    shrink again at once.
     """
     if free_bytes < min_free_bytes:
         short = min_free_bytes - free_bytes
@@ -142,7 +145,6 @@ def min_free_target(
         return want if want < num_slots else None
     if num_slots < configured_slots:
         room = (free_bytes - min_free_bytes) // slot_bytes
-        step = min(configured_slots - num_slots, room)
-        if step >= min(grow_step, configured_slots - num_slots) and step > 0:
-            return num_slots + step
+        if room >= 2 * grow_step:
+            return min(configured_slots, num_slots + room - grow_step)
     return None

@@ -71,6 +71,7 @@ def stats_document(rt) -> Dict[str, object]:
             "configured_slots": rt.configured_slots,
             "resizes": rt.resizes,
             "last_resize": rt.last_resize,
+            "resize_answers": {str(k): v for k, v in rt.resize_answers.items()},
         }
     out["backend"] = rt.backend
     out["miss_policy"] = rt.policy.name if rt.policy else None

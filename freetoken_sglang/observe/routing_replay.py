@@ -11,7 +11,6 @@ the replay; off, nothing runs (one attribute check per layer call).
 
 from __future__ import annotations
 
-import logging
 from typing import List
 
 import numpy as np
@@ -19,8 +18,6 @@ import torch
 
 from freetoken_sglang.errors import RefusedError
 from freetoken_sglang.observe.routing_trace import RoutingTrace
-
-logger = logging.getLogger(__name__)
 
 
 def layer_map(trace_layers: int, model_layers: int) -> List[int]:
@@ -44,7 +41,7 @@ class RoutingReplay:
                  phase: str = "all"):
         try:
             trace = RoutingTrace.load(path)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, TypeError) as e:
             raise RefusedError(f"--freetoken-replay-routing {path}: {e}") from e
         if (trace.num_experts, trace.top_k) != (num_experts, top_k):
             raise RefusedError(
