@@ -34,6 +34,8 @@ def parse_body(body) -> dict:
         raise ValueError('give exactly one of "gb" and "slots"')
     if "slots" in body:
         n = body["slots"]
+        if isinstance(n, float) and math.isfinite(n) and n.is_integer():
+            n = int(n)  # (JSON parsers read very large integers as floats)
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f'"slots" must be a positive whole number, got {n!r}')
         return {"slots": n}

@@ -502,12 +502,13 @@ class FreeTokenRuntime:
         if (slots is None) == (gb is None):
             raise ValueError('give exactly one of "slots" and "gb"')
         per = self.pool.expert_bytes
-        want = int(slots) if slots is not None else int(float(gb) * GIB // per)
-        new_slots = min(want, self.pool.num_rows)
+        rows = self.pool.num_rows
+        want = int(slots) if slots is not None else int(min(float(gb) * GIB / per, rows + 1))
+        new_slots = min(want, rows)
         if new_slots < self.top_k:
             raise ValueError(
                 f"{want} slots cannot serve one token's top-{self.top_k} experts; ask for at "
-                f"least {self.top_k} slots ({self.top_k * per / GIB:.3f} GiB)"
+                f"least {self.top_k} slots ({self.top_k * per / 2**20:.2f} MiB)"
             )
         t0 = time.perf_counter()
         old = self.cache

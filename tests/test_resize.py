@@ -90,6 +90,11 @@ def test_min_free_rule():
     assert min_free_target(grown, 10, 2, 11 * gib - (grown - 6) * gib, 5 * gib, gib, 3) is None
 
 
+def test_resize_bodies():
+    assert parse_body({"slots": 1e30}) == {"slots": 10**30}  # a JSON parser's big integer
+    assert parse_body({"gb": 2}) == {"gb": 2.0} and parse_body({"slots": 7}) == {"slots": 7}
+
+
 @pytest.mark.parametrize("body", [[], {}, {"gb": 1, "slots": 2}, {"slots": 0}, {"slots": 1.5},
                                   {"gb": -1}, {"gb": "2"}, {"size": 3}, {"slots": True},
                                   {"gb": float("inf")}, {"gb": float("nan")}])
