@@ -209,7 +209,9 @@ def test_streamed_prefill_matches_stock_and_leaves_the_lru_alone(buffers, publis
         for l in range(L):
             call = _call(layers[l], l, 40, 10 * forward + l)
             rt.num_valid.fill_(40)
-            assert torch.equal(ex.run(call), _stock(call)), (forward, l)
+            # (fp32 to rounding: a CPU's matmul kernels may block the two shapes differently)
+            torch.testing.assert_close(ex.run(call), _stock(call), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, f=forward, l=l: f"forward {f} layer {l}: {m}")
         ex.end_forward()
     for a, b in zip(before, _lru_state(rt)):
         assert torch.equal(a, b)
@@ -228,7 +230,7 @@ def test_streamed_prefill_matches_stock_and_leaves_the_lru_alone(buffers, publis
 
 @pytest.mark.parametrize("buffers", [2, 1])
 def test_borrowed_buffers_evict_the_oldest_and_seed_the_last_layers(buffers, published):
-    """Borrowed buffers: a streamed forward is token-exact, evicts only the LRU's
+    """Borrowed buffers: a streamed forward matches stock to fp32 rounding, evicts only the LRU's
     ``buffers * E`` oldest entries, leaves every other entry and its recency as it was, and
     gives the buffers back holding the streamed experts of the last ``buffers`` layers as the
     most recent entries (the rest empty, first to be taken)."""
@@ -252,7 +254,9 @@ def test_borrowed_buffers_evict_the_oldest_and_seed_the_last_layers(buffers, pub
         for l in range(L):
             call = _call(layers[l], l, 40, 10 * forward + l)
             rt.num_valid.fill_(40)
-            assert torch.equal(ex.run(call), _stock(call)), (forward, l)
+            # (fp32 to rounding: a CPU's matmul kernels may block the two shapes differently)
+            torch.testing.assert_close(ex.run(call), _stock(call), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, f=forward, l=l: f"forward {f} layer {l}: {m}")
         ex.end_forward()
         if forward == 0:
             # Entries outside the lent slots: same expert, same key.
