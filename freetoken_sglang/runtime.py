@@ -514,13 +514,17 @@ class FreeTokenRuntime:
         old = self.cache
         clamped = want > new_slots
         if self.device.type == "cuda":
+            from freetoken_sglang.cache.resize import resize_allowance
+
             torch.cuda.synchronize(self.device)
-            free = torch.cuda.mem_get_info(self.device)[0] + old.nbytes - self.slack_bytes
-            if new_slots * per > free:
+            free = torch.cuda.mem_get_info(self.device)[0]
+            allowed = resize_allowance(old.nbytes, free, self.slack_bytes)
+            if new_slots * per > allowed:
                 raise ValueError(
-                    f"{new_slots} slots need {new_slots * per / GIB:.2f} GiB but only "
-                    f"{max(0, free) / GIB:.2f} GiB of GPU memory would be free after SGLang's "
-                    "runtime slack; ask for fewer"
+                    f"{new_slots} slots need {new_slots * per / GIB:.2f} GiB but the cache can "
+                    f"have {allowed / GIB:.2f} GiB: its own {old.nbytes / GIB:.2f} GiB and the "
+                    f"{max(0, free - self.slack_bytes) / GIB:.2f} GiB free beyond SGLang's "
+                    "runtime slack (1 - --mem-fraction-static); ask for fewer slots"
                 )
         layout = self._plan_layout(new_slots)
         old_layout, old_slots = old.layout, old.num_slots

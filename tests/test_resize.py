@@ -14,7 +14,8 @@ import requests
 import torch
 
 from freetoken_sglang.cache.residency import ResidencyState, decide
-from freetoken_sglang.cache.resize import check_invariants, install, kept_experts, min_free_target
+from freetoken_sglang.cache.resize import (check_invariants, install, kept_experts,
+                                           min_free_target, resize_allowance)
 from freetoken_sglang.control import parse_body
 from test_e2e_families import _top2, assert_same_tokens
 
@@ -69,6 +70,15 @@ def test_invariant_check_sees_a_broken_state():
     st = _state_after_calls()
     st.residency[int(st.owner[0])] = 5 if int(st.residency[int(st.owner[0])]) != 5 else 4
     assert check_invariants(st)
+
+
+def test_resize_allowance():
+    gib = 1 << 30
+    # after start-up SGLang's KV pool leaves about its slack free: a shrink always fits, a
+    # grow only into memory beyond the slack
+    assert resize_allowance(10 * gib, 14 * gib, 14 * gib) == 10 * gib
+    assert resize_allowance(10 * gib, 13 * gib, 14 * gib) == 10 * gib
+    assert resize_allowance(10 * gib, 20 * gib, 14 * gib) == 16 * gib
 
 
 def test_min_free_rule():

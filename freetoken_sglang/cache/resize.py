@@ -122,6 +122,14 @@ def check_invariants(state: ResidencyState) -> List[str]:
     return problems
 
 
+def resize_allowance(cache_bytes: int, free_bytes: int, slack_bytes: int) -> int:
+    """Bytes a resized cache may take: its own ``cache_bytes`` (freed first) and the device's
+    free memory beyond SGLang's runtime slack (``1 - mem_fraction_static`` of the memory
+    before loading, which SGLang leaves free for activations and graph capture; the KV pool
+    holds the rest)."""
+    return cache_bytes + max(0, free_bytes - slack_bytes)
+
+
 def min_free_target(
     num_slots: int,
     configured_slots: int,
