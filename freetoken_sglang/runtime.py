@@ -495,7 +495,7 @@ class FreeTokenRuntime:
                 ``slots`` and ``gb``, a size under top-k, or one that does not fit in free
                 device memory; the cache is then unchanged.
         """
-        from freetoken_sglang.cache.resize import ResizeReport, install, kept_experts
+        from freetoken_sglang.cache.resize import ResizeReport, check_invariants, kept_experts
 
         if self.cache is None or self.backend == "cpu" or not self.cache.num_slots:
             raise ValueError("--freetoken-backend cpu has no GPU expert cache to resize")
@@ -570,6 +570,7 @@ class FreeTokenRuntime:
             free_bytes_after=torch.cuda.mem_get_info(self.device)[0]
             if self.device.type == "cuda" else None,
             clamped_to_pool=clamped,
+            invariant_problems=tuple(check_invariants(self.cache.residency)),
         )
         logger.info(
             "FreeToken: GPU expert cache resized (%s) from %d to %d slots (%.2f -> %.2f GiB) "

@@ -190,6 +190,7 @@ def test_resize_under_load_matches_stock_sglang(tiny_checkpoint, tmp_path):
     for n, (size, status, body, _, stats) in enumerate(answers, 1):
         assert status == 200 and body["ok"], body
         assert (body["old_slots"], body["new_slots"]) == (old, size)
+        assert body["invariant_problems"] == []  # the residency state is sound after it
         assert stats["cache"]["slots"] == size and stats["cache"]["resizes"] == n
         assert stats["cache"]["last_resize"]["id"] == body["id"]
         # a grow keeps every resident expert

@@ -33,6 +33,7 @@ class ResizeReport:
         reason: ``request`` (HTTP or Engine) or ``min-free`` (``--freetoken-min-free-gb``).
         free_bytes_after: free device memory after the resize (None on the CPU).
         clamped_to_pool: more slots were asked for than the pool has experts.
+        invariant_problems: ``check_invariants`` of the new residency state (empty: sound).
     """
 
     old_slots: int
@@ -47,10 +48,12 @@ class ResizeReport:
     reason: str
     free_bytes_after: Optional[int]
     clamped_to_pool: bool = False
+    invariant_problems: Tuple[str, ...] = ()
 
     def as_dict(self) -> dict:
         out = asdict(self)
         out["graphs_recaptured"] = list(self.graphs_recaptured)
+        out["invariant_problems"] = list(self.invariant_problems)
         return out
 
 
