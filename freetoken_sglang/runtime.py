@@ -108,6 +108,7 @@ class FreeTokenRuntime:
         self.configured_slots = 0
         self.resizes = 0
         self.slack_bytes = 0  # SGLang's runtime slack (1 - mem_fraction_static), kept free
+        self.serving_free_bytes: Optional[int] = None  # free when serving began
         self.resize_answers: Dict[int, Dict[str, object]] = {}  # by request id, the last few
         self.last_resize: Optional[Dict[str, object]] = None
         self._next_watch = 0.0
@@ -518,13 +519,14 @@ class FreeTokenRuntime:
 
             torch.cuda.synchronize(self.device)
             free = torch.cuda.mem_get_info(self.device)[0]
-            allowed = resize_allowance(old.nbytes, free, self.slack_bytes)
+            reserve = self.runtime_reserve_bytes
+            allowed = resize_allowance(old.nbytes, free, reserve)
             if new_slots * per > allowed:
                 raise ValueError(
                     f"{new_slots} slots need {new_slots * per / GIB:.2f} GiB but the cache can "
                     f"have {allowed / GIB:.2f} GiB: its own {old.nbytes / GIB:.2f} GiB and the "
-                    f"{max(0, free - self.slack_bytes) / GIB:.2f} GiB free beyond SGLang's "
-                    "runtime slack (1 - --mem-fraction-static); ask for fewer slots"
+                    f"{max(0, free - reserve) / GIB:.2f} GiB free beyond the "
+                    f"{reserve / GIB:.2f} GiB SGLang's runtime keeps; ask for fewer slots"
                 )
         layout = self._plan_layout(new_slots)
         old_layout, old_slots = old.layout, old.num_slots
@@ -644,6 +646,20 @@ class FreeTokenRuntime:
             mr.init_prefill_cuda_graph()
         return list(graphs)
 
+    def note_serving_start(self) -> None:
+        """Record the device's free memory once SGLang has allocated its KV pool and captured
+        its CUDA graphs (``Scheduler.__init__`` returned): what the runtime works with."""
+        if self.device.type == "cuda" and self.serving_free_bytes is None:
+            self.serving_free_bytes = int(torch.cuda.mem_get_info(self.device)[0])
+
+    @property
+    def runtime_reserve_bytes(self) -> int:
+        """Device memory a resize leaves free for SGLang's runtime (bytes;
+        ``cache.resize.runtime_reserve``)."""
+        from freetoken_sglang.cache.resize import runtime_reserve
+
+        return runtime_reserve(self.slack_bytes, self.serving_free_bytes)
+
     def watch_free_memory(self, now: Optional[float] = None) -> Optional["ResizeReport"]:
         """``--freetoken-min-free-gb``: at most once a second (at a scheduler safe point),
         shrink the cache when free device memory is under the floor and grow it back towards
@@ -661,7 +677,7 @@ class FreeTokenRuntime:
         free = torch.cuda.mem_get_info(self.device)[0]
         target = min_free_target(
             self.cache.num_slots, self.configured_slots, self.top_k, free,
-            int(g * GIB) + self.slack_bytes, self.pool.expert_bytes,
+            int(g * GIB) + self.runtime_reserve_bytes, self.pool.expert_bytes,
             grow_step=max(self.top_k, self.configured_slots // 20),
         )
         if target is None:

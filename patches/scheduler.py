@@ -6,9 +6,10 @@
   that document (``observe.metrics.follow``, ``patches/metrics.py``).
 - ``scheduler.Scheduler.__init__`` (around): gives the semantic anchors (hybrid models) the
   scheduler's radix cache and sizes their state budget from its mamba pool
-  (``anchors.book.Anchors.attach``); a FreeToken refusal while the scheduler builds ends the
-  process with its one-line message for the launcher (``freetoken_sglang.errors``), no
-  traceback.
+  (``anchors.book.Anchors.attach``) and records the free device memory SGLang starts
+  serving with (``FreeTokenRuntime.note_serving_start``); a FreeToken refusal while the
+  scheduler builds ends the process with its one-line message for the launcher
+  (``freetoken_sglang.errors``), no traceback.
 - ``scheduler.Scheduler.run_batch`` (around): an extend whose anchors take their states
   inside the forward reserves their mamba slots first (``anchors.inside.reserve``).
 - ``scheduler.Scheduler.set_internal_state`` (around): serves a GPU expert cache resize
@@ -50,6 +51,8 @@ def scheduler_init(result, self, *args, **kwargs):
     from freetoken_sglang.runtime import get_runtime
 
     rt = get_runtime()
+    if rt is not None:
+        rt.note_serving_start()  # the free memory a resize leaves SGLang's runtime
     an = getattr(rt, "anchors", None) if rt is not None else None
     if an is None:
         return None

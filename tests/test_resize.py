@@ -15,7 +15,8 @@ import torch
 
 from freetoken_sglang.cache.residency import ResidencyState, decide
 from freetoken_sglang.cache.resize import (check_invariants, install, kept_experts,
-                                           min_free_target, resize_allowance)
+                                           min_free_target, resize_allowance,
+                                           runtime_reserve)
 from freetoken_sglang.control import parse_body
 from test_e2e_families import _top2, assert_same_tokens
 
@@ -79,6 +80,20 @@ def test_resize_allowance():
     assert resize_allowance(10 * gib, 14 * gib, 14 * gib) == 10 * gib
     assert resize_allowance(10 * gib, 13 * gib, 14 * gib) == 10 * gib
     assert resize_allowance(10 * gib, 20 * gib, 14 * gib) == 16 * gib
+
+
+def test_grow_back_after_shrink():
+    # The H200 case: SGLang started serving with 21.7 GiB free against a 23.8 GiB slack.
+    # After a shrink from 12 to 2 GiB, growing back to 12 GiB must fit; 12.5 must not.
+    gib = 1 << 30
+    slack, serving = int(23.8 * gib), int(21.7 * gib)
+    reserve = runtime_reserve(slack, serving)
+    assert reserve == serving and runtime_reserve(slack, None) == slack
+    assert runtime_reserve(slack, 30 * gib) == slack
+    free_after_shrink = serving + 10 * gib
+    allowed = resize_allowance(2 * gib, free_after_shrink, reserve)
+    assert allowed == 12 * gib
+    assert resize_allowance(2 * gib, free_after_shrink, slack) < 12 * gib  # the old rule
 
 
 def test_min_free_rule():
