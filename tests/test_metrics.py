@@ -8,6 +8,7 @@ import functools
 import math
 
 import requests
+import torch
 
 from freetoken_sglang.observe.metrics import PREFIX, FreeTokenMetrics, counter_values, gauge_values
 
@@ -151,3 +152,17 @@ def test_metrics_carry_the_freetoken_stats(tiny_checkpoint, tmp_path):
     pushed = _samples(pushed_text)
     assert _same(pushed, expected), {k: (pushed.get(k), v) for k, v in expected.items()
                                      if pushed.get(k) != v}
+
+
+def test_decode_log_line_windows():
+    from freetoken_sglang.observe.counters import ExpertCounters
+
+    c = ExpertCounters([1, 3], "cpu")
+    c.of_phase("decode")[:, 0] += torch.tensor([8, 6, 2, 1, 0])  # reads hits fills evictions cpu
+    first = c.log_line()
+    assert first.startswith("FreeToken expert cache: hit rate 0.750 over the last 8 reads")
+    assert "total reads 8, hits 6, fills 2, evictions 1, cpu 0" in first
+    # a window with no LRU layer call (waves, streaming) says so instead of "nan"
+    second = c.log_line()
+    assert "no layer call went through the LRU" in second and "nan" not in second
+    assert second.endswith("total reads 8, hits 6, fills 2, evictions 1, cpu 0")

@@ -72,11 +72,15 @@ class ExpertCounters:
         last = self._last_totals or {f: 0 for f in FIELDS}
         window = {f: totals[f] - last[f] for f in FIELDS}
         self._last_totals = {f: totals[f] for f in FIELDS}
-        rate = window["hits"] / window["reads"] if window["reads"] else float("nan")
+        total = (f"total reads {totals['reads']}, hits {totals['hits']}, fills "
+                 f"{totals['fills']}, evictions {totals['evictions']}, cpu {totals['cpu']}")
+        if not window["reads"]:
+            return ("FreeToken expert cache: no layer call went through the LRU since the "
+                    "last line (they ran in waves or streamed: /freetoken/stats "
+                    f"prefill_stream); {total}")
+        rate = window["hits"] / window["reads"]
         return (
             f"FreeToken expert cache: hit rate {rate:.3f} over the last "
             f"{window['reads']} reads ({window['fills']} fills, {window['evictions']} "
-            f"evictions, {window['cpu']} on the CPU); total reads {totals['reads']}, hits "
-            f"{totals['hits']}, fills {totals['fills']}, evictions {totals['evictions']}, "
-            f"cpu {totals['cpu']}"
+            f"evictions, {window['cpu']} on the CPU); {total}"
         )
