@@ -117,7 +117,8 @@ def main():
         f"{a.workdir}/{a.family}",
         TinyShape(hidden_size=256, head_dim=64, num_heads=4, num_kv_heads=2,
                   num_layers=a.num_layers, num_experts=16, top_k=4,
-                  moe_intermediate_size=128),
+                  moe_intermediate_size=128,
+                  kv_lora_rank=512 if a.family == "deepseek_v3" else 0),
         dtype="bfloat16",
     )
     if a.quant == "fp8_block":

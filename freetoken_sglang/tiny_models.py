@@ -81,7 +81,9 @@ _CORPUS_WORDS = (
 @dataclass(frozen=True)
 class TinyShape:
     """Sizes of a tiny checkpoint. ``head_dim`` must be 64 or 128 on CUDA (SGLang's rotary
-    fallback asserts on smaller ones); 16 keeps CPU runs fast."""
+    fallback asserts on smaller ones); 16 keeps CPU runs fast. DeepSeek-V3 on CUDA needs
+    ``kv_lora_rank`` 512, as the real model (SGLang's Triton MLA decode kernel failed to
+    compile on the H200 with 64)."""
 
     hidden_size: int = 64
     moe_intermediate_size: int = 32
@@ -93,6 +95,7 @@ class TinyShape:
     head_dim: int = 16
     vocab_size: int = 384
     init_std: float = 0.2
+    kv_lora_rank: int = 0  # DeepSeek-V3's MLA latent width; 0: head_dim (CPU), 512 on CUDA
 
 
 def _train_tokenizer(vocab_size: int):
@@ -228,7 +231,7 @@ def _deepseek(s, c, v3: bool):
         # On the CPU, SGLang's torch-native backend reads prefill keys from the MLA latent
         # cache ([kv_lora_rank + rope]), so kv_lora_rank = qk_nope_head_dim lines the shapes
         # up. The attention then differs from transformers' (compare with stock SGLang).
-        kv_lora_rank=s.head_dim,
+        kv_lora_rank=s.kv_lora_rank or s.head_dim,
         q_lora_rank=None,
         qk_nope_head_dim=s.head_dim,
         qk_rope_head_dim=s.head_dim,
