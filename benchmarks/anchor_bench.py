@@ -192,10 +192,11 @@ def report(runs: List[dict]) -> str:
         return f(a / b) if a and b else "–"
 
     cols = [c for c in STOCK if any(c in v for v in stock.values())]
-    lines = ["| system | session | edited turns | re-prefill / suffix, edited turns (tokens) "
-             "| worst turn ratio | all turns ratio | TTFT first / steady median / steady worst "
-             "(s) | " + " | ".join(f"steady median, worst / {c}'s" for c in cols) + " |",
-             "|---|---|---:|---|---:|---:|---|" + "---|" * len(cols)]
+    head = ["system", "session", "edited turns", "re-prefill / suffix, edited turns (tokens)",
+            "worst turn ratio", "all turns ratio",
+            "TTFT first / steady median / steady worst (s)"]
+    head += [f"steady median, worst / {c}'s" for c in cols]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---|---:|---:|---|" + "---|" * len(cols)]
     for r in runs:
         for s, v in r["sessions"].items():
             m = summarize_session(v["requests"])  # from the records: older runs.json too
@@ -208,8 +209,8 @@ def report(runs: List[dict]) -> str:
                 f"| {r['label']} | {s} | {m['edited']}/{m['requests']}{bad} | "
                 f"{f(m['edited_ratio'], 3)} ({m['edited_reprefill']} / {m['edited_suffix']}) | "
                 f"{f(m['worst_turn_ratio'], 3)} | {f(m['all_ratio'], 3)} | "
-                f"{f(first)} / {f(m['steady_median_ttft_s'])} / {f(m['steady_worst_ttft_s'])} | "
-                + " | ".join(ratios) + " |")
+                f"{f(first)} / {f(m['steady_median_ttft_s'])} / {f(m['steady_worst_ttft_s'])} |"
+                + "".join(f" {x} |" for x in ratios))
     return "\n".join(lines) + "\n"
 
 
