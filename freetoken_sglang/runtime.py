@@ -518,7 +518,7 @@ class FreeTokenRuntime:
             from freetoken_sglang.cache.resize import resize_allowance
 
             torch.cuda.synchronize(self.device)
-            free = torch.cuda.mem_get_info(self.device)[0]
+            free = self._free_for_cache()
             reserve = self.runtime_reserve_bytes
             allowed = resize_allowance(old.nbytes, free, reserve)
             if new_slots * per > allowed:
@@ -650,7 +650,14 @@ class FreeTokenRuntime:
         """Record the device's free memory once SGLang has allocated its KV pool and captured
         its CUDA graphs (``Scheduler.__init__`` returned): what the runtime works with."""
         if self.device.type == "cuda" and self.serving_free_bytes is None:
-            self.serving_free_bytes = int(torch.cuda.mem_get_info(self.device)[0])
+            self.serving_free_bytes = self._free_for_cache()
+
+    def _free_for_cache(self) -> int:
+        """Bytes a rebuilt cache can take besides the old one's: free on the device once
+        torch's allocator has given back the blocks it holds unused (``_drop_cache`` does the
+        same before the rebuild), so activations cached since start-up do not count as used."""
+        torch.cuda.empty_cache()
+        return int(torch.cuda.mem_get_info(self.device)[0])
 
     @property
     def runtime_reserve_bytes(self) -> int:

@@ -128,8 +128,8 @@ def check_invariants(state: ResidencyState) -> List[str]:
 def runtime_reserve(slack_bytes: int, serving_free_bytes: Optional[int]) -> int:
     """Device memory (bytes) a resize leaves free for SGLang's runtime: its slack, or the
     free memory it started serving with (``serving_free_bytes``, after the KV pool and the
-    CUDA graphs) when that is less, so that a cache can always grow back into memory its
-    own shrinks freed."""
+    CUDA graphs) when that is less, so that a cache can grow back into memory its own
+    shrinks freed."""
     if serving_free_bytes is None:
         return slack_bytes
     return min(slack_bytes, serving_free_bytes)
