@@ -37,8 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(args):
-    """SGLang's ``ModelRunner`` with FreeToken on, weights loaded; returns the runtime."""
+def _load(args, **extra):
+    """SGLang's ``ModelRunner`` with FreeToken on, weights loaded (``extra``: more
+    ``ServerArgs`` fields, e.g. ``freetoken_ftw``); returns the runtime and the runner."""
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -56,12 +57,13 @@ def _load(args):
     from freetoken_sglang.runtime import get_runtime
 
     kw = dict(device=device, disable_cuda_graph=True, max_total_tokens=256)
-    if device == "cpu":
-        kw.update(attention_backend="torch_native", sampling_backend="pytorch")
+    # no attention runs here: a backend every build has
+    kw.update(attention_backend="torch_native" if device == "cpu" else "triton",
+              sampling_backend="pytorch")
     sa = ServerArgs(
         model_path=args.model_path, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
         revision=args.revision, enable_freetoken=True, freetoken_backend="cpu",
-        freetoken_cpu_threads=1, skip_server_warmup=True, **kw,
+        freetoken_cpu_threads=1, skip_server_warmup=True, **kw, **extra,
     )
     publish(sa, role="convert")
     initialize_moe_config(sa)
