@@ -419,18 +419,8 @@ def load_into_pool(ftw_dir: str, pool, ident: dict, threads: Optional[int] = Non
         b = manifest["banks"][name]
         off = b["offset"] + start
         dst = views[name][start:start + length]
-        if direct and (addr[name] + start) % ALIGN == 0 and length % ALIGN == 0:
-            # straight into the pool: no copy, and the pool's first-touch page faults happen
-            # in the kernel on every reading thread instead of under the GIL in a memcpy
-            got = 0
-            while got < length:
-                n = os.preadv(fds[name], [dst[got:]], off + got)
-                if n <= 0:
-                    raise FTWError(f"--freetoken-ftw {ftw_dir}: bank {name}: file {b['file']}"
-                                   f" ended at byte {off + got} (truncated while reading); "
-                                   f"{_fix(ftw_dir)}")
-                got += n
-        elif direct:  # an unaligned piece (a bank's tail): through a page-aligned buffer
+        if direct and not ((addr[name] + start) % ALIGN == 0 and length % ALIGN == 0):
+            # an unaligned piece (a bank's tail): through a page-aligned buffer
             staging = getattr(local, "buf", None)
             if staging is None:
                 staging = local.buf = mmap.mmap(-1, chunk)  # page-aligned
@@ -448,7 +438,7 @@ def load_into_pool(ftw_dir: str, pool, ident: dict, threads: Optional[int] = Non
                                f"ended at byte {off + got} (truncated while reading); "
                                f"{_fix(ftw_dir)}")
             dst[:] = memoryview(staging)[:length]
-        else:
+        else:  # buffered, or an aligned O_DIRECT chunk straight into the pool (no copy)
             got = 0
             while got < length:
                 n = os.preadv(fds[name], [dst[got:]], off + got)
