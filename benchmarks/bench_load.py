@@ -216,7 +216,7 @@ def main(argv=None) -> int:
         rep = load(ckpt, src, a.device, os.path.join(os.path.dirname(os.path.abspath(a.out)),
                                                      f"bench_load-{name}.log"))
         pool = rep["pool_bytes"]
-        secs = rep["ftw_seconds"] if name == "ftw" and "ftw_seconds" in rep else rep["load_seconds"]
+        secs = rep["ftw_seconds"] if name == "ftw" else rep["load_seconds"]
         rep["pool_gb_s"] = pool / secs / 1e9
         rep["over_dd"] = rep["pool_gb_s"] / res["dd"]["gb_s"]
         res[name] = rep
