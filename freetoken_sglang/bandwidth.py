@@ -1,6 +1,8 @@
 """B_P and B_H, measured on the machine that serves (paper §3.2): the pinned host-to-GPU
 expert-fill bandwidth and the CPU executor's expert-processing bandwidth, both in GB/s on
-the model's real expert shape, with a JSON cache per (GPU, CPU, threads, expert shape).
+the model's real expert shape, and each branch's fixed cost per layer call (F_P, F_H, in us,
+for the lone-miss rule of ``miss_policy.py``), with a JSON cache per (GPU, CPU, threads,
+expert shape).
 """
 
 from __future__ import annotations
@@ -26,25 +28,36 @@ class Bandwidth:
     b_p: float  # GB/s, host pool -> GPU slots, as fills are issued
     b_h: float  # GB/s, CPU executor on the expert shape, data not in cache
     source: str  # "flag", "cache <path>" or "measured"
+    f_p_us: Optional[float] = None  # us, fixed cost of a layer call's fills (None: unknown)
+    f_h_us: Optional[float] = None  # us, fixed cost of a CPU executor call with work
+
+    @property
+    def fixed_us(self) -> Optional[Tuple[float, float]]:
+        if self.f_p_us is None or self.f_h_us is None:
+            return None
+        return (self.f_p_us, self.f_h_us)
 
     @property
     def ratio(self) -> float:
         return self.b_p / self.b_h
 
 
-def parse_flag(text: str) -> Tuple[float, float]:
-    """``"B_P,B_H"`` in GB/s.
+def parse_flag(text: str) -> Tuple[float, ...]:
+    """``"B_P,B_H"`` in GB/s, optionally followed by ``",F_P,F_H"`` in microseconds.
 
     Raises:
-        ValueError: not two positive numbers.
+        ValueError: not two positive numbers, optionally followed by two non-negative ones.
     """
     parts = [p.strip() for p in str(text).split(",")]
     try:
         values = tuple(float(p) for p in parts)
     except ValueError:
         values = ()
-    if len(values) != 2 or min(values) <= 0:
-        raise ValueError(f"expected B_P,B_H as two positive GB/s numbers, got {text!r}")
+    if len(values) not in (2, 4) or min(values[:2]) <= 0 or min(values) < 0:
+        raise ValueError(
+            "expected B_P,B_H as two positive GB/s numbers, optionally followed by F_P,F_H "
+            f"in microseconds (e.g. 50,120 or 50,120,4,20), got {text!r}"
+        )
     return values
 
 
@@ -156,8 +169,97 @@ def measure_executor(executor, hidden: int, dtype: torch.dtype, expert_bytes: in
     return total / (time.perf_counter() - t0) / 1e9
 
 
+def intercept(n1: int, t1: float, n2: int, t2: float) -> float:
+    """The fixed cost of ``t(n) = F + n * s`` through ``(n1, t1)`` and ``(n2, t2)``, at least
+    0 (a line fitted to two measured sizes)."""
+    slope = (t2 - t1) / (n2 - n1)
+    return max(0.0, t1 - n1 * slope)
+
+
+def _median(values):
+    v = sorted(values)
+    return v[len(v) // 2]
+
+
+def measure_fill_fixed(
+    pool_banks: Dict[str, torch.Tensor],
+    device_pool_banks: Dict[str, torch.Tensor],
+    device: torch.device,
+    sizes: Tuple[int, int] = (1, 8),
+    repeats: int = 30,
+) -> float:
+    """F_P in us: the intercept of a layer call's fill time over its expert count, fills of
+    ``sizes`` random experts through the cache's own fill path (median of ``repeats``; on
+    CUDA timed by events on the stream, so the host's launch latency is left out, as under a
+    captured graph)."""
+    from freetoken_sglang.cache.fills import Filler
+    from freetoken_sglang.cache.residency import FillPlan
+
+    rows = next(iter(pool_banks.values())).shape[0]
+    batch = max(sizes)
+    slots = {
+        n: torch.empty((batch, *b.shape[1:]), dtype=b.dtype, device=device)
+        for n, b in pool_banks.items()
+    }
+    filler = Filler(pool_banks, device_pool_banks, slots)
+    rng = random.Random(2)
+    cuda = device.type == "cuda"
+    times = {}
+    for n in sizes:
+        n = min(n, rows)
+        samples = []
+        for i in range(repeats + 1):
+            src = torch.tensor(rng.sample(range(rows), n), dtype=torch.int32).to(device)
+            plan = FillPlan(src, torch.arange(n, dtype=torch.int32).to(device),
+                            torch.tensor([n], dtype=torch.int32).to(device))
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                start.record()
+                filler.run(plan)
+                end.record()
+                end.synchronize()
+                dt = start.elapsed_time(end) * 1e3
+            else:
+                t0 = time.perf_counter()
+                filler.run(plan)
+                dt = (time.perf_counter() - t0) * 1e6
+            if i:  # the first call compiles
+                samples.append(dt)
+        times[n] = _median(samples)
+    (n1, t1), (n2, t2) = sorted(times.items())
+    return intercept(n1, t1, n2, t2)
+
+
+def measure_executor_fixed(executor, hidden: int, dtype: torch.dtype,
+                           sizes: Tuple[int, int] = (1, 4), repeats: int = 30) -> float:
+    """F_H in us: the intercept of a one-token CPU executor call's time over its expert
+    count (``sizes`` random experts, median of ``repeats``): the workers' start and join.
+    The CPU branch's host-node round trip is not in it: it runs on every layer call under
+    the qstar policy, with work or without, so it does not depend on the split."""
+    rng = random.Random(3)
+    n_experts = executor.num_experts
+    x = torch.randn(1, hidden).to(dtype)
+    out = torch.zeros(1, hidden, dtype=torch.float32)
+    times = {}
+    for k in sizes:
+        k = min(k, n_experts)
+        rows = torch.zeros(k, dtype=torch.int32)
+        weights = torch.full((k,), 1.0 / k, dtype=torch.float32)
+        samples = []
+        for i in range(repeats + 1):
+            ids = torch.tensor(rng.sample(range(n_experts), k), dtype=torch.int32)
+            t0 = time.perf_counter()
+            executor.run(x, rows, ids, weights, out)
+            if i:
+                samples.append((time.perf_counter() - t0) * 1e6)
+        times[k] = _median(samples)
+    (n1, t1), (n2, t2) = sorted(times.items())
+    return intercept(n1, t1, n2, t2)
+
+
 def resolve(
-    flag: Optional[Tuple[float, float]],
+    flag: Optional[Tuple[float, ...]],
     pool,
     executor,
     device: torch.device,
@@ -165,27 +267,35 @@ def resolve(
     act_dtype: torch.dtype,
     cache_path: str = DEFAULT_CACHE,
 ) -> Bandwidth:
-    """The bandwidths to serve with: the flag, else the cached profile of this machine and
-    expert shape, else a measurement now (a few seconds; stored in ``cache_path``)."""
+    """The bandwidths (and fixed costs) to serve with: the flag, else the cached profile of
+    this machine and expert shape, else a measurement now (a few seconds; stored in
+    ``cache_path``). A flag without fixed costs leaves them unknown (no lone-miss rule)."""
     if flag is not None:
-        return Bandwidth(flag[0], flag[1], "flag --freetoken-bandwidth")
+        fixed = tuple(flag[2:4]) if len(flag) == 4 else (None, None)
+        return Bandwidth(flag[0], flag[1], "flag --freetoken-bandwidth", *fixed)
     key = machine_key(device, executor.num_threads, expert_shape(pool.specs["w13_weight"]))
     cached = load_cached(cache_path, key)
-    if cached:
-        return Bandwidth(cached["B_P"], cached["B_H"], f"cache {cache_path}")
+    if cached and "F_P_us" in cached and "F_H_us" in cached:
+        return Bandwidth(cached["B_P"], cached["B_H"], f"cache {cache_path}",
+                         cached["F_P_us"], cached["F_H_us"])
     logger.info(
-        "FreeToken: measuring B_P (pinned fills) and B_H (CPU executor, %d threads) on this "
+        "FreeToken: measuring B_P (pinned fills), B_H (CPU executor, %d threads) and their "
+        "fixed costs on this "
         "machine; this runs once per machine and expert shape (a few seconds) ...",
         executor.num_threads,
     )
     t0 = time.perf_counter()
     b_p = measure_fill(pool.banks, pool.device_banks, device)
     b_h = measure_executor(executor, hidden, act_dtype, pool.expert_bytes)
+    f_p = measure_fill_fixed(pool.banks, pool.device_banks, device)
+    f_h = measure_executor_fixed(executor, hidden, act_dtype)
     entry = {
         "B_P": b_p,
         "B_H": b_h,
+        "F_P_us": f_p,
+        "F_H_us": f_h,
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "seconds": time.perf_counter() - t0,
     }
     store_cached(cache_path, key, entry)
-    return Bandwidth(b_p, b_h, "measured")
+    return Bandwidth(b_p, b_h, "measured", f_p, f_h)

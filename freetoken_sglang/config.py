@@ -156,8 +156,10 @@ class FreeTokenConfig:
         default=None,
         metadata=dict(
             type=_bandwidth,
-            help="B_P,B_H in GB/s (pinned host-to-GPU fills, CPU executor) instead of the "
-            "measured profile (python -m freetoken_sglang.profile).",
+            help="B_P,B_H in GB/s (pinned host-to-GPU fills, CPU executor), optionally "
+            "followed by F_P,F_H, the fill and CPU branches' fixed costs in us (without them "
+            "qstar has no lone-miss rule), instead of the measured profile (python -m "
+            "freetoken_sglang.profile).",
         ),
     )
     backend: str = field(
@@ -165,8 +167,8 @@ class FreeTokenConfig:
         metadata=dict(
             type=_choice("gpu", "cpu"),
             help="gpu (default): the GPU expert cache; cpu: every routed expert runs on the CPU "
-            "from pageable host memory, the rest of the model on the GPU (also chosen "
-            "automatically when the pool cannot be pinned).",
+            "from pageable host memory, the rest of the model on the GPU (the way to serve "
+            "when the pool cannot be pinned).",
         ),
     )
     cpu_threads: Optional[int] = field(

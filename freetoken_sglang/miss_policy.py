@@ -1,12 +1,22 @@
 """The decode miss policy: how a layer call's m missed experts are split between cache fills
 over PCIe and in-place CPU execution (paper §3.2, Eq. 1-4).
 
-- ``qstar``: ``q* = round(m * B_P / B_H)`` fills, at least one, the rest on the CPU;
+- ``qstar``: ``q* = round(m * B_P / B_H)`` fills, at least one, the rest on the CPU, unless
+  the lone-miss rule below fills them all;
 - ``fill``: every miss is filled (no CPU execution);
 - ``cpu``: every miss runs on the CPU and decode never changes residency (a
   KTransformers-like placement that only prefill updates: through the LRU with
   ``--freetoken-prefill lru``; under streaming, the last layers' experts that borrowed
   buffers give back, and nothing with reserved buffers).
+
+The lone-miss rule (beyond Eq. 4, which has no fixed costs): the CPU branch pays a fixed cost
+``F_H`` per call with work (the executor's start and join, measured), so at high hit rates a
+lone CPU expert can cost more than its fill. With the paper's own branch times (Eq. 3),
+``T_fill(q) = F_P + q S / B_P`` and ``T_cpu(c) = F_H + c S / (B_H - B_P)``, the split keeps its
+``c = m - q`` CPU experts only if ``T_cpu(c) < T_fill(m)``, i.e. the CPU branch ends before
+filling all ``m`` would; otherwise all ``m`` are filled. ``S`` is one expert's bytes; every
+term is measured (``bandwidth.py``), none tuned. Where ``B_H <= B_P`` the CPU has no residual
+bandwidth and every miss is filled, as Eq. 4 degenerates.
 
 Layer calls over more than ``SPLIT_MAX_TOKENS`` rows that reach the LRU (prefill chunks that
 do not stream, ``execute/choice.py``) fill every miss in all
@@ -25,21 +35,30 @@ POLICIES = ("qstar", "fill", "cpu")
 # Layer calls with at most this many rows (decode steps, short prefills) split their misses.
 SPLIT_MAX_TOKENS = 64
 
+# A per-expert CPU time that never wins (no residual host bandwidth); finite for the kernel.
+UNREACHABLE_US = 1e30
+
 
 @dataclass(frozen=True)
 class MissPolicy:
-    """A miss policy and the bandwidths it was derived from.
+    """A miss policy and the measurements it was derived from.
 
     Args:
         name: one of ``POLICIES``.
         bandwidth: ``(B_P, B_H)`` in GB/s (needed by ``qstar``).
+        fixed_us: ``(F_P, F_H)``, the fill and CPU branches' fixed costs per layer call in
+            microseconds (``bandwidth.Bandwidth``); ``None``: unknown, no lone-miss rule.
+        expert_bytes: S, one expert's bytes in the pool (needed with ``fixed_us``).
 
     Raises:
-        ValueError: unknown name, or ``qstar`` without positive bandwidths.
+        ValueError: unknown name, ``qstar`` without positive bandwidths, or ``fixed_us``
+            without ``expert_bytes``.
     """
 
     name: str
     bandwidth: Optional[Tuple[float, float]] = None
+    fixed_us: Optional[Tuple[float, float]] = None
+    expert_bytes: int = 0
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -47,6 +66,8 @@ class MissPolicy:
         if self.name == "qstar":
             if not self.bandwidth or min(self.bandwidth) <= 0:
                 raise ValueError("the qstar miss policy needs positive B_P and B_H")
+            if self.fixed_us is not None and self.expert_bytes <= 0:
+                raise ValueError("the lone-miss rule needs the expert's bytes")
 
     @property
     def decode_split(self) -> MissSplit:
@@ -56,14 +77,37 @@ class MissPolicy:
         if self.name == "cpu":
             return MissSplit(0.0, 0)
         b_p, b_h = self.bandwidth
-        return MissSplit(b_p / b_h, 1)
+        if self.fixed_us is None:
+            return MissSplit(b_p / b_h, 1)
+        f_p, f_h = self.fixed_us
+        fill_us = self.expert_bytes / (b_p * 1e3)  # bytes / (GB/s) in us
+        # Beside a saturated link the CPU reads at B_H - B_P (Eq. 2); none left: always fill.
+        cpu_us = self.expert_bytes / ((b_h - b_p) * 1e3) if b_h > b_p else UNREACHABLE_US
+        return MissSplit(b_p / b_h, 1, fill_us, cpu_us, f_p, f_h)
 
     def split_for(self, num_tokens: int) -> MissSplit:
         """The split of a layer call over ``num_tokens`` rows (prefill-sized calls fill)."""
         return self.decode_split if num_tokens <= SPLIT_MAX_TOKENS else FILL_ALL
 
+    def lone_cpu_min(self, num_misses: int) -> Optional[int]:
+        """The fewest CPU experts the split keeps on the CPU for a call with ``num_misses``
+        misses (0 when every miss is filled), for the log and the tests."""
+        from freetoken_sglang.cache.residency import fill_count
+        import torch
+
+        q = int(fill_count(torch.tensor(num_misses), self.decode_split))
+        return num_misses - q
+
     def describe(self) -> str:
         if self.name != "qstar":
             return self.name
         b_p, b_h = self.bandwidth
-        return f"qstar (B_P {b_p:.1f} GB/s, B_H {b_h:.1f} GB/s, q*/m = B_P/B_H = {b_p / b_h:.3f})"
+        text = f"qstar (B_P {b_p:.1f} GB/s, B_H {b_h:.1f} GB/s, q*/m = B_P/B_H = {b_p / b_h:.3f}"
+        if self.fixed_us is None:
+            return text + "; fixed costs unknown: no lone-miss rule)"
+        f_p, f_h = self.fixed_us
+        fewest = next((m for m in range(1, 129) if self.lone_cpu_min(m) > 0), None)
+        when = (f"the first CPU expert at {fewest} misses in a layer call"
+                if fewest else "every miss filled: the CPU branch never ends first")
+        return text + (f"; fixed costs F_P {f_p:.1f} us, F_H {f_h:.1f} us: lone-miss rule, "
+                       f"{when})")

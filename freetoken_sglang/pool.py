@@ -32,6 +32,29 @@ _CUDA_HOST_REGISTER_FLAGS = 1 | 2
 PAGE = 4096
 
 
+def _clear_cuda_error() -> None:
+    """Consume the CUDA runtime's last error after a failed ``cudaHostRegister``.
+
+    torch's binding (``torch.cuda.cudart().cudaHostRegister``) returns the error code but
+    leaves it as the thread's last error, and the next kernel launch's check
+    (``C10_CUDA_KERNEL_LAUNCH_CHECK``, which calls ``cudaGetLastError``) would raise it as
+    ``CUDA error: invalid argument`` from an unrelated op. A tiny launch here reads and clears
+    it; the error is not sticky, so the context stays usable.
+    """
+    try:
+        torch.full((1,), 1, device="cuda")
+    except Exception:  # noqa: BLE001 - the stale error, consumed by this launch's check
+        pass
+    torch.cuda.synchronize()
+
+
+def _cuda_error_name(cudart, err) -> str:
+    try:
+        return str(cudart.cudaGetErrorString(err))
+    except Exception:  # noqa: BLE001 - the binding takes only its own enum values
+        return "see cudaError_t"
+
+
 def _page_aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised host tensor whose first byte is page-aligned (torch's CPU allocator
     aligns to 64 bytes), so FTW's O_DIRECT reads land straight in the bank
@@ -40,7 +63,8 @@ def _page_aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     for d in shape:
         n *= int(d)
     nbytes = n * torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    # device="cpu" explicitly: SGLang builds the model under a CUDA default device.
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, device="cpu")
     off = (-raw.data_ptr()) % PAGE
     return raw[off:off + nbytes].view(dtype).view(shape)
 
@@ -104,6 +128,7 @@ class HostExpertPool:
             for name, spec in self.specs.items()
         }
         self.pinned = False
+        self.pin_error: Optional[str] = None
         self._registered_ptrs: List[int] = []
         self.device_banks: Dict[str, torch.Tensor] = {}
 
@@ -149,41 +174,41 @@ class HostExpertPool:
         """Page-lock every bank in place (``cudaHostRegister``) and map it for UVA reads.
 
         Returns True when pinned. When the OS refuses (memlock limit, no CUDA), the banks
-        stay pageable and a warning says what that costs; nothing is raised.
+        stay pageable, nothing is raised, and ``pin_error`` says what CUDA answered (the
+        runtime refuses to start on it: a GPU cache cannot fill from pageable memory).
         """
         if self.pinned:
             return True
         if not torch.cuda.is_available():
+            self.pin_error = "no CUDA device"
             return False
         cudart = torch.cuda.cudart()
         for name, bank in self.banks.items():
             nbytes = bank.numel() * bank.element_size()
             if nbytes == 0:
                 continue
-            err = cudart.cudaHostRegister(bank.data_ptr(), nbytes, _CUDA_HOST_REGISTER_FLAGS)
-            code = int(err.value) if hasattr(err, "value") else int(err)
-            if code != 0:
-                torch.cuda.synchronize()
+            problem = self._register(cudart, bank.data_ptr(), nbytes)
+            if problem is not None:
                 self.unpin()
-                logger.warning(
-                    "FreeToken: the OS refused to pin the %.1f GiB host expert pool "
-                    "(cudaHostRegister error %d on bank %s; check `ulimit -l`). The pool "
-                    "stays in pageable memory, where the GPU cannot fill from it: every "
-                    "routed expert runs on the CPU instead (the pure-CPU MoE backend), so "
-                    "decode is bound by host memory bandwidth and there is no GPU expert "
-                    "cache. Raise the memlock limit (e.g. `ulimit -l unlimited`) to get the "
-                    "GPU cache back.",
-                    self.nbytes / GIB,
-                    code,
-                    name,
-                )
+                self.pin_error = f"{problem} bank {name}, {nbytes / GIB:.1f} GiB"
                 return False
-            self._registered_ptrs.append(bank.data_ptr())
         self.pinned = True
+        self.pin_error = None
         self.device_banks = {
             name: self._uva_view(bank) for name, bank in self.banks.items()
         }
         return True
+
+    def _register(self, cudart, ptr: int, nbytes: int) -> Optional[str]:
+        """``cudaHostRegister`` one range; None, or CUDA's answer (its error consumed)."""
+        err = cudart.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_FLAGS)
+        code = int(err.value) if hasattr(err, "value") else int(err)
+        if code == 0:
+            self._registered_ptrs.append(ptr)
+            return None
+        _clear_cuda_error()
+        return (f"cudaHostRegister error {code} ({_cuda_error_name(cudart, err)}) for "
+                f"{nbytes} bytes at address {ptr:#x}, page offset {ptr % PAGE}, on")
 
     def unpin(self) -> None:
         """Undo ``pin`` (used when pinning fails part way)."""

@@ -1,10 +1,11 @@
-"""Measure B_P and B_H for a model's expert shape on this machine and cache them (paper §3.2).
+"""Measure B_P, B_H and the branches' fixed costs for a model's expert shape on this machine and cache them (paper §3.2).
 
     python -m freetoken_sglang.profile --model-path Qwen/Qwen3-30B-A3B [--threads 16]
 
 Reads only the model's config. B_P: pinned host-to-GPU fills of batches of experts, through
 the cache's own fill path; B_H: the C executor's decode-like calls on the same expert shape,
-over a scratch pool larger than the CPU caches. The result goes to the JSON cache that
+over a scratch pool larger than the CPU caches; F_P and F_H: the intercepts of each branch's
+time over its expert count (``bandwidth.measure_fill_fixed``, ``measure_executor_fixed``). The result goes to the JSON cache that
 ``--enable-freetoken`` servers read at start (``~/.cache/freetoken/bandwidth.json``), keyed by
 GPU, CPU, thread count and expert shape.
 """
@@ -69,12 +70,18 @@ def main(argv=None) -> None:
         pool.pin()
     with CpuExpertExecutor(pool.banks, num_threads=a.threads) as ex:
         b_p = bandwidth.measure_fill(pool.banks, pool.device_banks, device)
-        b_h = bandwidth.measure_executor(ex, int(families.text_config(hf_config).hidden_size), pool.specs["w13_weight"].dtype, pool.expert_bytes)
+        hidden = int(families.text_config(hf_config).hidden_size)
+        dtype = pool.specs["w13_weight"].dtype
+        b_h = bandwidth.measure_executor(ex, hidden, dtype, pool.expert_bytes)
+        f_p = bandwidth.measure_fill_fixed(pool.banks, pool.device_banks, device)
+        f_h = bandwidth.measure_executor_fixed(ex, hidden, dtype)
         shape = bandwidth.expert_shape(pool.specs["w13_weight"])
         key = bandwidth.machine_key(device, ex.num_threads, shape)
         entry = {
             "B_P": b_p,
             "B_H": b_h,
+            "F_P_us": f_p,
+            "F_H_us": f_h,
             "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
             "seconds": time.perf_counter() - t0,
             "isa": ex.isa,

@@ -198,7 +198,14 @@ class FreeTokenRuntime:
         if self.device.type == "cuda" and self.backend == "gpu":
             pinned = self.pool.pin()
             if not pinned:
-                self.backend = "cpu"  # the warning of pin() says what this costs
+                raise RefusedError(
+                    f"the OS refused to page-lock the {self.pool.nbytes / GIB:.1f} GiB host "
+                    f"expert pool ({self.pool.pin_error}), and the GPU expert cache fills "
+                    "only from pinned memory: raise the memlock limit (`ulimit -l "
+                    "unlimited`; LimitMEMLOCK=infinity under systemd, --ulimit memlock=-1 "
+                    "under docker) or pass --freetoken-backend cpu to run every routed "
+                    "expert on the CPU"
+                )
         pin_s = time.perf_counter() - t0
 
         if self.backend == "cpu":
@@ -348,7 +355,12 @@ class FreeTokenRuntime:
                 self.pool.specs["w2_weight"].shape[0],
                 self.act_dtype,
             )
-            self.policy = MissPolicy("qstar", (self.bandwidth.b_p, self.bandwidth.b_h))
+            self.policy = MissPolicy(
+                "qstar",
+                (self.bandwidth.b_p, self.bandwidth.b_h),
+                self.bandwidth.fixed_us,
+                self.pool.expert_bytes,
+            )
         else:
             self.policy = MissPolicy("cpu")
 

@@ -58,6 +58,10 @@ def _decide_kernel(
     num_layers,
     fill_ratio,
     min_fill,
+    fill_us,
+    cpu_us,
+    fill_fixed_us,
+    cpu_fixed_us,
     weight_scale,
     E_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -84,6 +88,12 @@ def _decide_kernel(
     # q = min(m, max(min_fill, round(m * fill_ratio))): fills; the rest run on the CPU.
     q = tl.floor(n_miss.to(tl.float64) * fill_ratio + 0.5).to(tl.int32)
     q = tl.minimum(n_miss, tl.maximum(q, min_fill))
+    # The cost check (cpu_us > 0): the c = m - q CPU experts stay on the CPU only if their
+    # branch ends before filling all m would.
+    c = (n_miss - q).to(tl.float64)
+    cpu_end = cpu_fixed_us + c * cpu_us
+    fill_all = fill_fixed_us + n_miss.to(tl.float64) * fill_us
+    q = tl.where((cpu_us > 0) & (c > 0) & (cpu_end >= fill_all), n_miss, q)
     cpu = miss & (rank >= q)
     n_hit = tl.sum(hit.to(tl.int32), axis=0)
     n_cpu = tl.sum(cpu.to(tl.int32), axis=0)
@@ -217,6 +227,10 @@ def decide_triton(
         counters.shape[1],
         float(split.fill_ratio),
         int(split.min_fill),
+        float(split.fill_us),
+        float(split.cpu_us),
+        float(split.fill_fixed_us),
+        float(split.cpu_fixed_us),
         float(weight_scale),
         E_PAD=triton.next_power_of_2(E),
         BLOCK=_BLOCK,

@@ -149,9 +149,11 @@ def transformers_greedy(path, prompts, n):
 CACHE_25 = ["--enable-freetoken", "--freetoken-cache-ratio", "0.25"]
 POLICIES = {
     "fill": ["--freetoken-miss-policy", "fill"],
-    # B_P/B_H = 0.5: half of each call's misses are filled, half run on the CPU.
-    # (and the prefill buffers reserved outside the LRU instead of borrowed from it)
-    "qstar": ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40",
+    # B_P/B_H = 0.5: half of each call's misses are filled, half run on the CPU; no fixed
+    # costs, so the lone-miss rule keeps every split (B_H - B_P = B_P: a CPU expert costs
+    # what its fill does). The prefill buffers are reserved outside the LRU instead of
+    # borrowed from it.
+    "qstar": ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40,0,0",
               "--freetoken-prefill-buffers", "reserved"],
     "cpu": ["--freetoken-miss-policy", "cpu"],
 }
@@ -254,6 +256,7 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
         elif policy == "qstar":
             assert total["fills"] > 0 and total["cpu"] > 0
             assert stats["bandwidth"]["ratio"] == 0.5
+            assert (stats["bandwidth"]["F_P_us"], stats["bandwidth"]["F_H_us"]) == (0, 0)
         else:
             # decode never fills, and streamed prefill fills nothing through the LRU
             assert total["cpu"] > 0 and total["fills"] == 0

@@ -3,8 +3,6 @@ straight into it, and the pinning fallback."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
@@ -41,7 +39,7 @@ def test_expert_bytes_and_specs():
     assert with_bias["w2_weight_bias"] == BankSpec((5,), torch.float32)
 
 
-def test_pin_refused_falls_back_to_pageable(monkeypatch, caplog):
+def test_pin_refused_stays_pageable_and_says_why(monkeypatch):
     pool = make_pool()
     calls = []
 
@@ -57,14 +55,32 @@ def test_pin_refused_falls_back_to_pageable(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    with caplog.at_level(logging.WARNING):
-        assert pool.pin() is False
+    launches = []
+    real_full = torch.full
+
+    def full(*a, **k):  # the launch that consumes CUDA's last error after the refusal
+        launches.append(k.get("device"))
+        raise RuntimeError("CUDA error: invalid argument")
+
+    monkeypatch.setattr(torch, "full", full)
+    assert pool.pin() is False
+    monkeypatch.setattr(torch, "full", real_full)
+    assert launches == ["cuda"]  # the refusal's error consumed
     assert pool.pinned is False and pool.device_banks == {}
     kinds = [c[0] for c in calls]
-    assert kinds == ["register", "register", "unregister"]
+    assert kinds == ["register", "register", "unregister"]  # w13 is unregistered again
     assert calls[0][1] == pool.banks["w13_weight"].data_ptr()
     assert calls[0][3] == 3  # portable | mapped
-    assert "refused to pin" in caplog.text and "ulimit -l" in caplog.text
+    assert pool.pin_error.startswith("cudaHostRegister error 2 (")
+    assert pool.pin_error.endswith("on bank w2_weight, 0.0 GiB")
+
+
+def test_banks_are_host_memory_under_another_default_device():
+    # SGLang builds the model under a CUDA default device; the pool must stay on the host.
+    with torch.device("meta"):
+        pool = make_pool()
+    for bank in pool.banks.values():
+        assert bank.device.type == "cpu" and bank.data_ptr() % 4096 == 0
 
 
 @pytest.mark.parametrize(

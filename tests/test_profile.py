@@ -36,7 +36,8 @@ def test_profile_cli_measures_and_caches(tiny_checkpoint, tmp_path):
 
 def test_flag_parsing():
     assert bandwidth.parse_flag("55, 90.5") == (55.0, 90.5)
-    for bad in ("55", "a,b", "0,4", "1,2,3", "-1,4"):
+    assert bandwidth.parse_flag("55,90,4,0") == (55.0, 90.0, 4.0, 0.0)
+    for bad in ("55", "a,b", "0,4", "1,2,3", "-1,4", "5,9,-1,2", "1,2,3,4,5"):
         with pytest.raises(ValueError, match="B_P,B_H"):
             bandwidth.parse_flag(bad)
 
@@ -52,10 +53,22 @@ def test_resolve_prefers_flag_then_cache(tmp_path):
     got = bandwidth.resolve((10.0, 40.0), Pool(), Executor(), torch.device("cpu"), 4,
                             torch.bfloat16, cache)
     assert (got.b_p, got.b_h, got.ratio) == (10.0, 40.0, 0.25) and "flag" in got.source
+    assert got.fixed_us is None  # a flag without fixed costs: no lone-miss rule
+    got = bandwidth.resolve((10.0, 40.0, 3.0, 20.0), Pool(), Executor(), torch.device("cpu"),
+                            4, torch.bfloat16, cache)
+    assert got.fixed_us == (3.0, 20.0)
     key = bandwidth.machine_key(torch.device("cpu"), 3, "8x4:bfloat16")
-    bandwidth.store_cached(cache, key, {"B_P": 50.0, "B_H": 100.0})
+    bandwidth.store_cached(cache, key, {"B_P": 50.0, "B_H": 100.0, "F_P_us": 2.0,
+                                        "F_H_us": 9.0})
     got = bandwidth.resolve(None, Pool(), Executor(), torch.device("cpu"), 4, torch.bfloat16, cache)
     assert (got.b_p, got.b_h) == (50.0, 100.0) and got.source == f"cache {cache}"
+    assert got.fixed_us == (2.0, 9.0)
+
+
+def test_intercept_of_two_sizes():
+    assert bandwidth.intercept(1, 30.0, 4, 60.0) == pytest.approx(20.0)  # 20 + 10 n
+    assert bandwidth.intercept(1, 10.0, 8, 80.0) == 0.0  # no fixed cost
+    assert bandwidth.intercept(1, 10.0, 8, 100.0) == 0.0  # noise below zero: none
 
 
 def test_miss_policies():
@@ -67,5 +80,30 @@ def test_miss_policies():
     assert MissPolicy("cpu").decode_split == MissSplit(0.0, 0)
     with pytest.raises(ValueError, match="positive B_P and B_H"):
         MissPolicy("qstar")
+    with pytest.raises(ValueError, match="expert's bytes"):
+        MissPolicy("qstar", (55.0, 110.0), (1.0, 2.0))
+
+
+def test_lone_miss_rule_from_measured_costs():
+    # S = 10 MB: a fill takes 200 us at B_P = 50 GB/s; beside it the CPU reads at
+    # B_H - B_P = 100 GB/s, 100 us per expert; F_H = 250 us, F_P = 10 us.
+    S = 10_000_000
+    q = MissPolicy("qstar", (50.0, 150.0), (10.0, 250.0), S)
+    split = q.decode_split
+    assert split.fill_us == pytest.approx(200.0) and split.cpu_us == pytest.approx(100.0)
+    # q* = round(m / 3), at least 1. The c = m - q CPU experts stay only if
+    # 250 + 100 c < 10 + 200 m:
+    #   m=1: q=1, c=0;  m=2: q=1, c=1: 350 < 410 -> kept;  m=3: q=1, c=2: 450 < 610 -> kept.
+    assert [q.lone_cpu_min(m) for m in (0, 1, 2, 3, 4)] == [0, 0, 1, 2, 3]
+    # A larger fixed cost, F_H = 500 us: m=2 (600 >= 410) and m=3 (700 >= 610) fill all;
+    # m=4: q=1, c=3: 800 < 810 -> kept.
+    q = MissPolicy("qstar", (50.0, 150.0), (10.0, 500.0), S)
+    assert [q.lone_cpu_min(m) for m in (1, 2, 3, 4)] == [0, 0, 0, 3]
+    assert "first CPU expert at 4 misses" in q.describe()
+    # No residual host bandwidth (B_H <= B_P): every miss is filled.
+    q = MissPolicy("qstar", (50.0, 40.0), (0.0, 0.0), S)
+    assert [q.lone_cpu_min(m) for m in (1, 5, 64)] == [0, 0, 0]
+    # Unknown fixed costs: the paper's q* alone.
+    assert MissPolicy("qstar", (50.0, 150.0)).lone_cpu_min(2) == 1
     with pytest.raises(ValueError, match="miss policy must be one of"):
         MissPolicy("lru")

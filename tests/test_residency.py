@@ -19,7 +19,10 @@ from freetoken_sglang.cache.residency import (
     used_experts,
 )
 
-SPLITS = [FILL_ALL, MissSplit(0.6, 1), MissSplit(0.25, 1), MissSplit(0.0, 0)]
+# The last split has the lone-miss rule's cost check (fill 200 us, CPU 100 us per expert,
+# fixed 10 / 500 us): 2 or 3 misses are all filled, 4 keep 3 on the CPU.
+COSTED = MissSplit(0.25, 1, 200.0, 100.0, 10.0, 500.0)
+SPLITS = [FILL_ALL, MissSplit(0.6, 1), MissSplit(0.25, 1), MissSplit(0.0, 0), COSTED]
 
 
 class ReferenceLRU:
@@ -43,6 +46,11 @@ class ReferenceLRU:
         misses = [f for f in flat if f not in self.slot_of]
         m = len(misses)
         q = min(m, max(split.min_fill, int(m * split.fill_ratio + 0.5)))
+        c = m - q
+        if split.cpu_us > 0 and c > 0 and (
+            split.cpu_fixed_us + c * split.cpu_us >= split.fill_fixed_us + m * split.fill_us
+        ):
+            q = m  # the CPU branch would end after filling all m: fill them
         to_fill, to_cpu = misses[:q], misses[q:]
         for f in hits:
             self.stamp[self.slot_of[f]] = self.clock
@@ -171,6 +179,29 @@ def test_qstar_split_counts():
     assert counters[:, 0].tolist() == [7, 0, 5, 0, 2]
 
 
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])
+def test_lone_miss_rule_fills_when_the_cpu_branch_would_end_later(use_kernel):
+    from freetoken_sglang.cache.residency import decide_reference
+
+    E = 16
+    counters = torch.zeros(5, 1, dtype=torch.int64)
+    one = torch.tensor([1], dtype=torch.int32)
+    if use_kernel:
+        from freetoken_sglang.kernels.residency import decide_triton as run
+    else:
+        run = decide_reference
+    for m, want_cpu in ((1, 0), (2, 0), (3, 0), (4, 3), (8, 6)):
+        state = ResidencyState(E, E, "cpu")
+        ids = torch.arange(m, dtype=torch.int32).reshape(1, m)
+        d = run(state, counters, 0, E, ids, torch.ones(1, m), one, COSTED)
+        assert int(d.cpu.count) == want_cpu, m
+        assert int(d.plan.count) == m - want_cpu
+        # without the cost check the same ratio sends m - round(m/4) misses to the CPU
+        state = ResidencyState(E, E, "cpu")
+        d = run(state, counters, 0, E, ids, torch.ones(1, m), one, MissSplit(0.25, 1))
+        assert int(d.cpu.count) == m - max(1, int(m * 0.25 + 0.5))
+
+
 def test_lru_order_and_current_step_protection():
     # Two layers of 4 experts, 4 slots: the cache holds exactly one layer.
     E, S = 4, 4
@@ -241,7 +272,7 @@ def test_no_slot_runs_every_expert_on_the_cpu():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(len(SPLITS)))
 def test_triton_kernel_matches_the_torch_reference(seed):
     """The CUDA path's kernel (run by Triton's interpreter here) gives the reference's plans,
     CPU items, routing, state and counters."""

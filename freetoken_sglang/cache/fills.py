@@ -8,8 +8,8 @@ Data movement only; ``residency.py`` decides what moves. Two ways, chosen once p
 - ``local``: pool and cache share a device (the CPU-run SGLang of the tests): the plan is
   read on the host and each row copied with ``copy_``.
 
-A GPU cache over a pageable pool is not built: the runtime serves every expert on the CPU
-instead (``--freetoken-backend cpu``).
+A GPU cache over a pageable pool is not built: when the pool cannot be pinned the runtime
+refuses to start and names ``--freetoken-backend cpu`` (every expert on the CPU).
 """
 
 from __future__ import annotations

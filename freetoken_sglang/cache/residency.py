@@ -32,12 +32,22 @@ import torch
 @dataclass(frozen=True)
 class MissSplit:
     """How a layer call serves its ``m`` misses (paper §3.2, Eq. 4): ``q = min(m,
-    max(min_fill, round(m * fill_ratio)))`` are filled into the cache, the other ``m - q`` run
-    on the CPU. ``fill_ratio = B_P / B_H`` with ``min_fill = 1`` is the q* policy;
-    ``(1, 0)`` fills every miss; ``(0, 0)`` runs every miss on the CPU."""
+    max(min_fill, round(m * fill_ratio)))`` are filled into the cache, the other ``c = m - q``
+    run on the CPU. ``fill_ratio = B_P / B_H`` with ``min_fill = 1`` is the q* policy;
+    ``(1, 0)`` fills every miss; ``(0, 0)`` runs every miss on the CPU.
+
+    With ``cpu_us > 0`` a cost check follows (the lone-miss rule, ``miss_policy.py``): the c
+    CPU experts stay on the CPU only if their branch ends before filling all m would,
+    ``cpu_fixed_us + c * cpu_us < fill_fixed_us + m * fill_us``; otherwise every miss is
+    filled. Times in microseconds: per expert over PCIe (``fill_us``) and on the CPU beside a
+    saturated link (``cpu_us``), and each branch's fixed cost per layer call."""
 
     fill_ratio: float = 1.0
     min_fill: int = 0
+    fill_us: float = 0.0
+    cpu_us: float = 0.0
+    fill_fixed_us: float = 0.0
+    cpu_fixed_us: float = 0.0
 
 
 FILL_ALL = MissSplit(1.0, 0)
@@ -208,9 +218,17 @@ def decide(
 
 
 def fill_count(num_misses: torch.Tensor, split: MissSplit) -> torch.Tensor:
-    """q of ``MissSplit`` (round half up), as a tensor like ``num_misses``."""
+    """q of ``MissSplit`` (round half up, then the cost check), as a tensor like
+    ``num_misses``."""
     q = torch.floor(num_misses.double() * split.fill_ratio + 0.5).to(num_misses.dtype)
-    return torch.minimum(num_misses, q.clamp(min=split.min_fill))
+    q = torch.minimum(num_misses, q.clamp(min=split.min_fill))
+    if split.cpu_us > 0:
+        f32 = lambda v: float(torch.tensor(v, dtype=torch.float32))  # the kernel's scalars
+        c = (num_misses - q).double()
+        cpu_end = f32(split.cpu_fixed_us) + c * f32(split.cpu_us)
+        fill_all = f32(split.fill_fixed_us) + num_misses.double() * f32(split.fill_us)
+        q = torch.where((c > 0) & (cpu_end >= fill_all), num_misses, q)
+    return q
 
 
 def decide_reference(

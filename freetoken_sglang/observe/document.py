@@ -86,6 +86,8 @@ def stats_document(rt) -> Dict[str, object]:
             "B_H": rt.bandwidth.b_h,
             "ratio": rt.bandwidth.ratio,
             "source": rt.bandwidth.source,
+            "F_P_us": rt.bandwidth.f_p_us,
+            "F_H_us": rt.bandwidth.f_h_us,
         }
     if rt.counters is not None:
         out.update(rt.counters.snapshot())
