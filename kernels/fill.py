@@ -1,5 +1,7 @@
-"""Triton kernel that copies planned expert rows from the pinned host pool into GPU slots
-through unified virtual addressing (the ``uva`` fill of ``freetoken_sglang/cache/fills.py``)."""
+"""Triton kernels that copy planned expert rows from the pinned host pool into GPU slots
+through unified virtual addressing (the ``uva`` fill of ``freetoken_sglang/cache/fills.py``):
+one bank per launch (``copy_rows``), or every bank of a fill in one launch
+(``copy_rows_banks``)."""
 
 from __future__ import annotations
 
@@ -87,3 +89,87 @@ def copy_rows(
     _copy_rows_kernel[grid](
         s, d, src_idx, dst_idx, count, row_elems, chunks, BLOCK=_BLOCK
     )
+
+
+# Banks one launch of ``copy_rows_banks`` carries (BF16 experts have 2, FP8 block 4).
+MAX_BANKS = 4
+
+
+@triton.jit
+def _copy_chunk(src_ptr, dst_ptr, row_elems, s, d, chunk, BLOCK: tl.constexpr):
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < row_elems
+    v = tl.load(src_ptr + s * row_elems + offs, mask=mask)
+    tl.store(dst_ptr + d * row_elems + offs, v, mask=mask)
+
+
+@triton.jit
+def _copy_banks_kernel(
+    s0, d0, r0, c0,
+    s1, d1, r1, c1,
+    s2, d2, r2, c2,
+    s3, d3, r3, c3,
+    src_idx_ptr,
+    dst_idx_ptr,
+    count_ptr,
+    BLOCK: tl.constexpr,
+):
+    # The (row, chunk) work of every bank of the counted rows: a row's chunks are bank 0's,
+    # then bank 1's, ...; banks past the used ones have no chunks.
+    n = tl.load(count_ptr)
+    per_row = c0 + c1 + c2 + c3
+    for w in range(tl.program_id(0), n * per_row, tl.num_programs(0)):
+        i = w // per_row
+        c = w % per_row
+        s = tl.load(src_idx_ptr + i).to(tl.int64)
+        d = tl.load(dst_idx_ptr + i).to(tl.int64)
+        if c < c0:
+            _copy_chunk(s0, d0, r0, s, d, c, BLOCK)
+        elif c < c0 + c1:
+            _copy_chunk(s1, d1, r1, s, d, c - c0, BLOCK)
+        elif c < c0 + c1 + c2:
+            _copy_chunk(s2, d2, r2, s, d, c - c0 - c1, BLOCK)
+        else:
+            _copy_chunk(s3, d3, r3, s, d, c - c0 - c1 - c2, BLOCK)
+
+
+def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count) -> None:
+    """``dsts[b][dst_idx[i]] = srcs[b][src_idx[i]]`` for every bank ``b`` and ``i < count[0]``,
+    in one kernel launch per ``MAX_BANKS`` banks (indices and count read on the device).
+
+    Args:
+        srcs, dsts: equal-length sequences of banks as for ``copy_rows`` (``[R, ...]`` UVA
+            aliases or device rows; ``[S, ...]`` contiguous device rows, same row shape and
+            dtype per bank).
+        src_idx, dst_idx: int32 ``[K]`` on the device.
+        count: int32 ``[1]`` on the device.
+
+    Raises:
+        ValueError: a bank's rows differ between source and destination, or a bank is not
+            contiguous.
+    """
+    srcs, dsts = list(srcs), list(dsts)
+    if len(srcs) != len(dsts):
+        raise ValueError(f"copy_rows_banks: {len(srcs)} source banks, {len(dsts)} destinations")
+    k = src_idx.numel()
+    if k == 0 or not srcs:
+        return
+    for start in range(0, len(srcs), MAX_BANKS):
+        args, total = [], 0
+        for src, dst in zip(srcs[start:start + MAX_BANKS], dsts[start:start + MAX_BANKS]):
+            if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+                raise ValueError(
+                    f"copy_rows_banks: rows differ: src {tuple(src.shape[1:])} {src.dtype}, "
+                    f"dst {tuple(dst.shape[1:])} {dst.dtype}"
+                )
+            if not (src.is_contiguous() and dst.is_contiguous()):
+                raise ValueError("copy_rows_banks needs contiguous src and dst banks")
+            s, d = _as_words(src), _as_words(dst)
+            chunks = triton.cdiv(s.shape[1], _BLOCK)
+            total += chunks
+            args += [s, d, s.shape[1], chunks]
+        while len(args) < 4 * MAX_BANKS:  # unused banks: no chunks
+            args += args[:2] + [0, 0]
+        device = dsts[start].device
+        grid = (min(k * total, _max_programs(device)),)
+        _copy_banks_kernel[grid](*args, src_idx, dst_idx, count, BLOCK=_BLOCK)

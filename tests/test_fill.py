@@ -30,6 +30,39 @@ def test_copy_rows_kernel_copies_only_counted_rows():
         assert torch.equal(dst[0], before[0]) and torch.equal(dst[2], before[2])
 
 
+@needs_interpreter
+def test_one_launch_copies_every_bank_of_the_counted_rows():
+    from freetoken_sglang.kernels import fill
+
+    # five banks of mixed dtypes and row sizes (a second launch takes the fifth), rows
+    # longer than one block so chunks of several banks interleave
+    shapes = [((3, 1500), torch.bfloat16), ((7,), torch.float32), ((2, 5), torch.uint8),
+              ((4100,), torch.float16), ((3,), torch.int32)]
+    srcs = [torch.randn(9, *sh).to(dt) if dt.is_floating_point
+            else torch.randint(0, 100, (9, *sh)).to(dt) for sh, dt in shapes]
+    dsts = [torch.zeros(4, *s.shape[1:], dtype=s.dtype) for s in srcs]
+    before = [d.clone() for d in dsts]
+    launches = []
+    real = fill._copy_banks_kernel
+
+    class Count:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    fill._copy_banks_kernel = Count()
+    try:
+        fill.copy_rows_banks(srcs, dsts, torch.tensor([7, 2, 5], dtype=torch.int32),
+                             torch.tensor([1, 3, 0], dtype=torch.int32),
+                             torch.tensor([2], dtype=torch.int32))
+    finally:
+        fill._copy_banks_kernel = real
+    assert len(launches) == 2
+    for s, d, b in zip(srcs, dsts, before):
+        assert torch.equal(d[1], s[7]) and torch.equal(d[3], s[2])
+        assert torch.equal(d[0], b[0]) and torch.equal(d[2], b[2])
+
+
 def test_filler_local_mode_and_fill_all():
     pool = {"w13_weight": torch.randn(8, 4, 3), "w2_weight": torch.randn(8, 3, 2)}
     slots = {n: torch.zeros(3, *t.shape[1:]) for n, t in pool.items()}

@@ -23,7 +23,9 @@ def test_decide_on_cuda_matches_reference():
     for step in range(200):
         T = rng.choice([1, 1, 4, 16, 300])
         layer = rng.randrange(L)
-        split = MissSplit(0.6, 1) if T <= 16 else MissSplit(1.0, 0)
+        # small calls: q* alone, or with the lone-miss rule's cost check (fixed 10/500 us)
+        costed = MissSplit(0.6, 1, 200.0, 100.0, 10.0, 500.0)
+        split = rng.choice([MissSplit(0.6, 1), costed]) if T <= 16 else MissSplit(1.0, 0)
         ids = torch.tensor([rng.sample(range(E), k) for _ in range(T)], dtype=torch.int32)
         w = torch.rand(T, k)
         nv = torch.tensor([rng.randint(1, T)], dtype=torch.int32)
@@ -52,6 +54,7 @@ def test_uva_fill_from_pinned_pool():
         bank.copy_(torch.randn(bank.shape).to(bank.dtype))
     assert pool.pin() and pool.pinned
     slots = {n: torch.zeros(8, *s.shape, dtype=s.dtype, device="cuda") for n, s in pool.specs.items()}
+    assert all(b.device.type == "cpu" for b in pool.banks.values())
     f = Filler(pool.banks, pool.device_banks, slots)
     assert f.mode == "uva"
     plan = FillPlan(

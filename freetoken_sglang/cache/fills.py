@@ -2,9 +2,9 @@
 
 Data movement only; ``residency.py`` decides what moves. Two ways, chosen once per cache:
 
-- ``uva``: the pool is pinned and mapped; one Triton kernel per bank reads the planned rows
-  straight from host memory through unified virtual addressing, with every index and the
-  count read on the device. No host sync, so CUDA graphs capture it.
+- ``uva``: the pool is pinned and mapped; one Triton kernel launch for all banks of the fill
+  reads the planned rows straight from host memory through unified virtual addressing, with
+  every index and the count read on the device. No host sync, so CUDA graphs capture it.
 - ``local``: pool and cache share a device (the CPU-run SGLang of the tests): the plan is
   read on the host and each row copied with ``copy_``.
 
@@ -54,10 +54,14 @@ class Filler:
         """Copy pool row ``plan.src[i]`` into slot ``plan.dst[i]`` of every bank, for
         ``i < plan.count[0]``."""
         if self.mode == "uva":
-            from freetoken_sglang.kernels.fill import copy_rows
+            from freetoken_sglang.kernels.fill import copy_rows_banks
 
-            for name, slots in self.slot_banks.items():
-                copy_rows(self.device_pool_banks[name], slots, plan.src, plan.dst, plan.count)
+            names = list(self.slot_banks)
+            copy_rows_banks(
+                [self.device_pool_banks[n] for n in names],
+                [self.slot_banks[n] for n in names],
+                plan.src, plan.dst, plan.count,
+            )
         else:
             n = int(plan.count.item())
             src = plan.src[:n].tolist()
