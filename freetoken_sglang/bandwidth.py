@@ -33,6 +33,7 @@ class Bandwidth:
 
     @property
     def fixed_us(self) -> Optional[Tuple[float, float]]:
+        """``(F_P, F_H)`` in microseconds, or None when either is unknown."""
         if self.f_p_us is None or self.f_h_us is None:
             return None
         return (self.f_p_us, self.f_h_us)
@@ -171,9 +172,19 @@ def measure_executor(executor, hidden: int, dtype: torch.dtype, expert_bytes: in
 
 def intercept(n1: int, t1: float, n2: int, t2: float) -> float:
     """The fixed cost of ``t(n) = F + n * s`` through ``(n1, t1)`` and ``(n2, t2)``, at least
-    0 (a line fitted to two measured sizes)."""
+    0 (a line fitted to two measured sizes); 0 when the sizes are equal (nothing to fit)."""
+    if n1 == n2:
+        return 0.0
     slope = (t2 - t1) / (n2 - n1)
     return max(0.0, t1 - n1 * slope)
+
+
+def _fit(times: Dict[int, float]) -> float:
+    """The intercept of two measured sizes; 0 when the pool is too small for two sizes."""
+    if len(times) < 2:
+        return 0.0
+    (n1, t1), (n2, t2) = sorted(times.items())[:2]
+    return intercept(n1, t1, n2, t2)
 
 
 def _median(values):
@@ -227,8 +238,7 @@ def measure_fill_fixed(
             if i:  # the first call compiles
                 samples.append(dt)
         times[n] = _median(samples)
-    (n1, t1), (n2, t2) = sorted(times.items())
-    return intercept(n1, t1, n2, t2)
+    return _fit(times)
 
 
 def measure_executor_fixed(executor, hidden: int, dtype: torch.dtype,
@@ -254,8 +264,7 @@ def measure_executor_fixed(executor, hidden: int, dtype: torch.dtype,
             if i:
                 samples.append((time.perf_counter() - t0) * 1e6)
         times[k] = _median(samples)
-    (n1, t1), (n2, t2) = sorted(times.items())
-    return intercept(n1, t1, n2, t2)
+    return _fit(times)
 
 
 def resolve(

@@ -89,11 +89,12 @@ class MissPolicy:
         """The split of a layer call over ``num_tokens`` rows (prefill-sized calls fill)."""
         return self.decode_split if num_tokens <= SPLIT_MAX_TOKENS else FILL_ALL
 
-    def lone_cpu_min(self, num_misses: int) -> Optional[int]:
-        """The fewest CPU experts the split keeps on the CPU for a call with ``num_misses``
-        misses (0 when every miss is filled), for the log and the tests."""
-        from freetoken_sglang.cache.residency import fill_count
+    def cpu_count(self, num_misses: int) -> int:
+        """How many of a decode call's ``num_misses`` misses run on the CPU (0: every miss is
+        filled), for the log and the tests."""
         import torch
+
+        from freetoken_sglang.cache.residency import fill_count
 
         q = int(fill_count(torch.tensor(num_misses), self.decode_split))
         return num_misses - q
@@ -106,7 +107,7 @@ class MissPolicy:
         if self.fixed_us is None:
             return text + "; fixed costs unknown: no lone-miss rule)"
         f_p, f_h = self.fixed_us
-        fewest = next((m for m in range(1, 129) if self.lone_cpu_min(m) > 0), None)
+        fewest = next((m for m in range(1, 129) if self.cpu_count(m) > 0), None)
         when = (f"the first CPU expert at {fewest} misses in a layer call"
                 if fewest else "every miss filled: the CPU branch never ends first")
         return text + (f"; fixed costs F_P {f_p:.1f} us, F_H {f_h:.1f} us: lone-miss rule, "

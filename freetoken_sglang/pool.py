@@ -48,11 +48,15 @@ def _clear_cuda_error() -> None:
     torch.cuda.synchronize()
 
 
-def _cuda_error_name(cudart, err) -> str:
+_CUDA_ERRORS = {1: "invalid argument", 2: "out of memory", 712: "already registered",
+                801: "operation not supported"}
+
+
+def _cuda_error_name(cudart, code: int) -> str:
     try:
-        return str(cudart.cudaGetErrorString(err))
+        return str(cudart.cudaGetErrorString(code))
     except Exception:  # noqa: BLE001 - the binding takes only its own enum values
-        return "see cudaError_t"
+        return _CUDA_ERRORS.get(code, "see cudaError_t")
 
 
 def _page_aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
@@ -128,7 +132,8 @@ class HostExpertPool:
             for name, spec in self.specs.items()
         }
         self.pinned = False
-        self.pin_error: Optional[str] = None
+        self.pin_error: Optional[str] = None  # CUDA's answer when pin() failed
+        self.pin_error_code: Optional[int] = None
         self._registered_ptrs: List[int] = []
         self.device_banks: Dict[str, torch.Tensor] = {}
 
@@ -173,42 +178,46 @@ class HostExpertPool:
     def pin(self) -> bool:
         """Page-lock every bank in place (``cudaHostRegister``) and map it for UVA reads.
 
-        Returns True when pinned. When the OS refuses (memlock limit, no CUDA), the banks
-        stay pageable, nothing is raised, and ``pin_error`` says what CUDA answered (the
-        runtime refuses to start on it: a GPU cache cannot fill from pageable memory).
+        Returns True when pinned. When CUDA refuses (memlock limit: error 2; no CUDA), the
+        banks stay pageable, nothing is raised, and ``pin_error`` / ``pin_error_code`` say
+        what CUDA answered (the runtime refuses to start on it: a GPU cache cannot fill from
+        pageable memory).
         """
         if self.pinned:
             return True
         if not torch.cuda.is_available():
-            self.pin_error = "no CUDA device"
+            self.pin_error, self.pin_error_code = "no CUDA device", None
             return False
         cudart = torch.cuda.cudart()
         for name, bank in self.banks.items():
             nbytes = bank.numel() * bank.element_size()
             if nbytes == 0:
                 continue
-            problem = self._register(cudart, bank.data_ptr(), nbytes)
-            if problem is not None:
+            code = self._register(cudart, bank.data_ptr(), nbytes)
+            if code:
                 self.unpin()
-                self.pin_error = f"{problem} bank {name}, {nbytes / GIB:.1f} GiB"
+                self.pin_error_code = code
+                self.pin_error = (
+                    f"cudaHostRegister error {code}, {_cuda_error_name(cudart, code)}, on bank "
+                    f"{name}: {nbytes / GIB:.1f} GiB at address {bank.data_ptr():#x}"
+                )
                 return False
         self.pinned = True
-        self.pin_error = None
+        self.pin_error = self.pin_error_code = None
         self.device_banks = {
             name: self._uva_view(bank) for name, bank in self.banks.items()
         }
         return True
 
-    def _register(self, cudart, ptr: int, nbytes: int) -> Optional[str]:
-        """``cudaHostRegister`` one range; None, or CUDA's answer (its error consumed)."""
+    def _register(self, cudart, ptr: int, nbytes: int) -> int:
+        """``cudaHostRegister`` one range: 0, or CUDA's error code (the error consumed)."""
         err = cudart.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_FLAGS)
         code = int(err.value) if hasattr(err, "value") else int(err)
         if code == 0:
             self._registered_ptrs.append(ptr)
-            return None
-        _clear_cuda_error()
-        return (f"cudaHostRegister error {code} ({_cuda_error_name(cudart, err)}) for "
-                f"{nbytes} bytes at address {ptr:#x}, page offset {ptr % PAGE}, on")
+        else:
+            _clear_cuda_error()
+        return code
 
     def unpin(self) -> None:
         """Undo ``pin`` (used when pinning fails part way)."""

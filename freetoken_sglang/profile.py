@@ -66,8 +66,8 @@ def main(argv=None) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     t0 = time.perf_counter()
     pool = scratch_pool(hf_config, a.pool_gb)
-    if device.type == "cuda":
-        pool.pin()
+    if device.type == "cuda" and not pool.pin():
+        raise SystemExit(f"freetoken_sglang.profile: cannot pin the scratch pool ({pool.pin_error})")
     with CpuExpertExecutor(pool.banks, num_threads=a.threads) as ex:
         b_p = bandwidth.measure_fill(pool.banks, pool.device_banks, device)
         hidden = int(families.text_config(hf_config).hidden_size)

@@ -18,7 +18,7 @@ import torch
 
 from freetoken_sglang import families
 from freetoken_sglang.cache.layout import SlotLayout, plan_layout
-from freetoken_sglang.cache.residency import MissSplit
+from freetoken_sglang.cache.residency import FILL_ALL, MissSplit
 from freetoken_sglang.cache.slots import CacheSize, ExpertCache, resolve_num_slots
 from freetoken_sglang.config import SERVER_ARGS_ATTR, FreeTokenConfig
 from freetoken_sglang.errors import RefusedError
@@ -198,13 +198,18 @@ class FreeTokenRuntime:
         if self.device.type == "cuda" and self.backend == "gpu":
             pinned = self.pool.pin()
             if not pinned:
+                code = self.pool.pin_error_code
+                fix = (
+                    "raise the memlock limit (`ulimit -l unlimited`; LimitMEMLOCK=infinity "
+                    "under systemd, --ulimit memlock=-1 under docker) or pass "
+                    if code == 2  # cudaErrorMemoryAllocation: the OS would not lock more
+                    else "pass "
+                )
                 raise RefusedError(
-                    f"the OS refused to page-lock the {self.pool.nbytes / GIB:.1f} GiB host "
+                    f"CUDA could not page-lock the {self.pool.nbytes / GIB:.1f} GiB host "
                     f"expert pool ({self.pool.pin_error}), and the GPU expert cache fills "
-                    "only from pinned memory: raise the memlock limit (`ulimit -l "
-                    "unlimited`; LimitMEMLOCK=infinity under systemd, --ulimit memlock=-1 "
-                    "under docker) or pass --freetoken-backend cpu to run every routed "
-                    "expert on the CPU"
+                    f"only from pinned memory: {fix}--freetoken-backend cpu to run every "
+                    "routed expert on the CPU"
                 )
         pin_s = time.perf_counter() - t0
 
@@ -234,6 +239,12 @@ class FreeTokenRuntime:
         self.counters = ExpertCounters(self.moe_layer_ids, self.device)
         alloc_s = time.perf_counter() - t1
         self._start_cpu_side(max_tokens)
+        if self.device.type == "cuda":
+            # The decision kernel's q tables, before any CUDA graph is captured.
+            from freetoken_sglang.kernels.residency import q_table
+
+            for split in {self.policy.decode_split, FILL_ALL, MissSplit(0.0, 0)}:
+                q_table(split, self.num_experts, self.device)
         self._start_executors()
         if self.config.record_routing:
             from freetoken_sglang.observe.routing_recorder import RoutingRecorder

@@ -142,7 +142,7 @@ def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count) -> None:
             aliases or device rows; ``[S, ...]`` contiguous device rows, same row shape and
             dtype per bank).
         src_idx, dst_idx: int32 ``[K]`` on the device.
-        count: int32 ``[1]`` on the device.
+        count: int32 ``[1]`` on the device, at most ``K``.
 
     Raises:
         ValueError: a bank's rows differ between source and destination, or a bank is not
@@ -154,22 +154,22 @@ def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count) -> None:
     k = src_idx.numel()
     if k == 0 or not srcs:
         return
-    for start in range(0, len(srcs), MAX_BANKS):
-        args, total = [], 0
-        for src, dst in zip(srcs[start:start + MAX_BANKS], dsts[start:start + MAX_BANKS]):
-            if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
-                raise ValueError(
-                    f"copy_rows_banks: rows differ: src {tuple(src.shape[1:])} {src.dtype}, "
-                    f"dst {tuple(dst.shape[1:])} {dst.dtype}"
-                )
-            if not (src.is_contiguous() and dst.is_contiguous()):
-                raise ValueError("copy_rows_banks needs contiguous src and dst banks")
-            s, d = _as_words(src), _as_words(dst)
-            chunks = triton.cdiv(s.shape[1], _BLOCK)
-            total += chunks
-            args += [s, d, s.shape[1], chunks]
+    banks = []
+    for src, dst in zip(srcs, dsts):  # every bank checked before any is copied
+        if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+            raise ValueError(
+                f"copy_rows_banks: rows differ: src {tuple(src.shape[1:])} {src.dtype}, "
+                f"dst {tuple(dst.shape[1:])} {dst.dtype}"
+            )
+        if not (src.is_contiguous() and dst.is_contiguous()):
+            raise ValueError("copy_rows_banks needs contiguous src and dst banks")
+        s, d = _as_words(src), _as_words(dst)
+        banks.append((s, d, s.shape[1], triton.cdiv(s.shape[1], _BLOCK)))
+    for start in range(0, len(banks), MAX_BANKS):
+        group = banks[start:start + MAX_BANKS]
+        total = sum(b[3] for b in group)
+        args = [x for b in group for x in b]
         while len(args) < 4 * MAX_BANKS:  # unused banks: no chunks
             args += args[:2] + [0, 0]
-        device = dsts[start].device
-        grid = (min(k * total, _max_programs(device)),)
+        grid = (min(k * total, _max_programs(dsts[start].device)),)
         _copy_banks_kernel[grid](*args, src_idx, dst_idx, count, BLOCK=_BLOCK)

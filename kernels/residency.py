@@ -23,6 +23,7 @@ from freetoken_sglang.cache.residency import (
     LayerDecision,
     MissSplit,
     ResidencyState,
+    fill_count,
     max_unique_experts,
 )
 
@@ -56,12 +57,7 @@ def _decide_kernel(
     counters_ptr,  # int64 [5, L]
     ordinal,
     num_layers,
-    fill_ratio,
-    min_fill,
-    fill_us,
-    cpu_us,
-    fill_fixed_us,
-    cpu_fixed_us,
+    q_table_ptr,  # int32 [E+1]: fills of a call with m misses (``fill_count``)
     weight_scale,
     E_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -85,15 +81,9 @@ def _decide_kernel(
     missi = miss.to(tl.int32)
     rank = tl.cumsum(missi, axis=0) - 1
     n_miss = tl.sum(missi, axis=0)
-    # q = min(m, max(min_fill, round(m * fill_ratio))): fills; the rest run on the CPU.
-    q = tl.floor(n_miss.to(tl.float64) * fill_ratio + 0.5).to(tl.int32)
-    q = tl.minimum(n_miss, tl.maximum(q, min_fill))
-    # The cost check (cpu_us > 0): the c = m - q CPU experts stay on the CPU only if their
-    # branch ends before filling all m would.
-    c = (n_miss - q).to(tl.float64)
-    cpu_end = cpu_fixed_us + c * cpu_us
-    fill_all = fill_fixed_us + n_miss.to(tl.float64) * fill_us
-    q = tl.where((cpu_us > 0) & (c > 0) & (cpu_end >= fill_all), n_miss, q)
+    # q of the split (rounding and the lone-miss rule), computed once on the host in double
+    # precision (``fill_count``): the kernel's own float scalars would be fp32.
+    q = tl.load(q_table_ptr + n_miss)
     cpu = miss & (rank >= q)
     n_hit = tl.sum(hit.to(tl.int32), axis=0)
     n_cpu = tl.sum(cpu.to(tl.int32), axis=0)
@@ -170,6 +160,27 @@ def _remap_kernel(expert_ids_ptr, n, layer_slots_ptr, num_experts, BLOCK: tl.con
     tl.store(expert_ids_ptr + offs, tl.maximum(slot, 0).to(x.dtype), mask=ok)
 
 
+_Q_TABLES = {}
+
+
+def q_table(split: MissSplit, num_experts: int, device) -> torch.Tensor:
+    """int32 ``[E+1]`` on ``device``: entry m is ``fill_count(m, split)``, the fills of a layer
+    call with m misses. Built once per (split, E, device) and kept (captured graphs hold its
+    address); the runtime builds its splits' tables before any graph is captured."""
+    device = torch.device(device)
+    key = (split, num_experts, str(device))
+    table = _Q_TABLES.get(key)
+    if table is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # No host-to-device copy inside a capture: the graph computes it on the device.
+            m = torch.arange(num_experts + 1, dtype=torch.int64, device=device)
+            return fill_count(m, split).to(torch.int32)
+        m = torch.arange(num_experts + 1, dtype=torch.int64)
+        table = fill_count(m, split).to(torch.int32).to(device)
+        _Q_TABLES[key] = table
+    return table
+
+
 def decide_triton(
     state: ResidencyState,
     counters: torch.Tensor,
@@ -225,12 +236,7 @@ def decide_triton(
         counters,
         ordinal,
         counters.shape[1],
-        float(split.fill_ratio),
-        int(split.min_fill),
-        float(split.fill_us),
-        float(split.cpu_us),
-        float(split.fill_fixed_us),
-        float(split.cpu_fixed_us),
+        q_table(split, E, device),
         float(weight_scale),
         E_PAD=triton.next_power_of_2(E),
         BLOCK=_BLOCK,

@@ -3,6 +3,7 @@ host-planned filler copy exactly the planned pool rows into the planned slots.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import needs_interpreter
@@ -34,10 +35,11 @@ def test_copy_rows_kernel_copies_only_counted_rows():
 def test_one_launch_copies_every_bank_of_the_counted_rows():
     from freetoken_sglang.kernels import fill
 
-    # five banks of mixed dtypes and row sizes (a second launch takes the fifth), rows
-    # longer than one block so chunks of several banks interleave
-    shapes = [((3, 1500), torch.bfloat16), ((7,), torch.float32), ((2, 5), torch.uint8),
-              ((4100,), torch.float16), ((3,), torch.int32)]
+    # five banks of mixed dtypes and row sizes (a second launch takes the fifth); rows of
+    # several 4096-word chunks (3 x 9000 bf16 = 2 int64 chunks, 40000 fp32 = 5 chunks) so
+    # that a wrong chunk offset in any bank shows
+    shapes = [((3, 9000), torch.bfloat16), ((7,), torch.float32), ((40000,), torch.float32),
+              ((2, 5), torch.uint8), ((3,), torch.int32)]
     srcs = [torch.randn(9, *sh).to(dt) if dt.is_floating_point
             else torch.randint(0, 100, (9, *sh)).to(dt) for sh, dt in shapes]
     dsts = [torch.zeros(4, *s.shape[1:], dtype=s.dtype) for s in srcs]
@@ -58,6 +60,11 @@ def test_one_launch_copies_every_bank_of_the_counted_rows():
     finally:
         fill._copy_banks_kernel = real
     assert len(launches) == 2
+    with pytest.raises(ValueError, match="rows differ"):  # checked before anything moves
+        bad = [d.clone() for d in dsts]
+        fill.copy_rows_banks(srcs, bad[:4] + [torch.zeros(4, 2, dtype=torch.int32)],
+                             torch.tensor([0]), torch.tensor([0]), torch.tensor([1]))
+    assert all(torch.equal(a, b) for a, b in zip(bad[:4], dsts[:4]))
     for s, d, b in zip(srcs, dsts, before):
         assert torch.equal(d[1], s[7]) and torch.equal(d[3], s[2])
         assert torch.equal(d[0], b[0]) and torch.equal(d[2], b[2])

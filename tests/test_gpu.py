@@ -12,6 +12,22 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def test_q_table_is_the_double_precision_split():
+    """The kernel reads q from ``q_table`` (exactly ``fill_count``): B_P/B_H = 0.7 at m = 5 is
+    3.5 in double (q = 4) but 3.4999999 in fp32 (q = 3)."""
+    from freetoken_sglang.cache.residency import MissSplit, ResidencyState, decide
+    from freetoken_sglang.kernels.residency import q_table
+
+    split = MissSplit(0.7, 1)
+    assert q_table(split, 16, "cuda")[5].item() == 4
+    state = ResidencyState(16, 16, "cuda")
+    counters = torch.zeros(5, 1, dtype=torch.int64, device="cuda")
+    ids = torch.arange(5, dtype=torch.int32, device="cuda").reshape(1, 5)
+    d = decide(state, counters, 0, 16, ids, torch.ones(1, 5, device="cuda"),
+               torch.tensor([1], dtype=torch.int32, device="cuda"), split)
+    assert int(d.plan.count) == 4 and int(d.cpu.count) == 1
+
+
 def test_decide_on_cuda_matches_reference():
     from freetoken_sglang.cache.residency import MissSplit, ResidencyState, decide, decide_reference
 
@@ -25,7 +41,8 @@ def test_decide_on_cuda_matches_reference():
         layer = rng.randrange(L)
         # small calls: q* alone, or with the lone-miss rule's cost check (fixed 10/500 us)
         costed = MissSplit(0.6, 1, 200.0, 100.0, 10.0, 500.0)
-        split = rng.choice([MissSplit(0.6, 1), costed]) if T <= 16 else MissSplit(1.0, 0)
+        split = (rng.choice([MissSplit(0.6, 1), MissSplit(0.7, 1), costed]) if T <= 16
+                 else MissSplit(1.0, 0))
         ids = torch.tensor([rng.sample(range(E), k) for _ in range(T)], dtype=torch.int32)
         w = torch.rand(T, k)
         nv = torch.tensor([rng.randint(1, T)], dtype=torch.int32)
@@ -49,12 +66,14 @@ def test_uva_fill_from_pinned_pool():
     from freetoken_sglang.pool import HostExpertPool, bank_specs_for_layer
     from freetoken_sglang.cache.residency import FillPlan
 
-    pool = HostExpertPool([0, 1], 16, bank_specs_for_layer(256, 96, torch.bfloat16))
+    with torch.device("cuda"):  # as SGLang builds models: the pool stays on the host
+        pool = HostExpertPool([0, 1], 16, bank_specs_for_layer(256, 96, torch.bfloat16))
     for bank in pool.banks.values():
         bank.copy_(torch.randn(bank.shape).to(bank.dtype))
     assert pool.pin() and pool.pinned
     slots = {n: torch.zeros(8, *s.shape, dtype=s.dtype, device="cuda") for n, s in pool.specs.items()}
     assert all(b.device.type == "cpu" for b in pool.banks.values())
+    torch.full((1,), 1, device="cuda")  # no stale CUDA error after the registration
     f = Filler(pool.banks, pool.device_banks, slots)
     assert f.mode == "uva"
     plan = FillPlan(

@@ -94,16 +94,20 @@ def test_lone_miss_rule_from_measured_costs():
     # q* = round(m / 3), at least 1. The c = m - q CPU experts stay only if
     # 250 + 100 c < 10 + 200 m:
     #   m=1: q=1, c=0;  m=2: q=1, c=1: 350 < 410 -> kept;  m=3: q=1, c=2: 450 < 610 -> kept.
-    assert [q.lone_cpu_min(m) for m in (0, 1, 2, 3, 4)] == [0, 0, 1, 2, 3]
+    assert [q.cpu_count(m) for m in (0, 1, 2, 3, 4)] == [0, 0, 1, 2, 3]
     # A larger fixed cost, F_H = 500 us: m=2 (600 >= 410) and m=3 (700 >= 610) fill all;
     # m=4: q=1, c=3: 800 < 810 -> kept.
     q = MissPolicy("qstar", (50.0, 150.0), (10.0, 500.0), S)
-    assert [q.lone_cpu_min(m) for m in (1, 2, 3, 4)] == [0, 0, 0, 3]
+    assert [q.cpu_count(m) for m in (1, 2, 3, 4)] == [0, 0, 0, 3]
     assert "first CPU expert at 4 misses" in q.describe()
-    # No residual host bandwidth (B_H <= B_P): every miss is filled.
-    q = MissPolicy("qstar", (50.0, 40.0), (0.0, 0.0), S)
-    assert [q.lone_cpu_min(m) for m in (1, 5, 64)] == [0, 0, 0]
+    # No residual host bandwidth (B_H = B_P): no division by zero, every miss is filled.
+    q = MissPolicy("qstar", (50.0, 50.0), (0.0, 0.0), S)
+    assert [q.cpu_count(m) for m in (1, 5, 64)] == [0, 0, 0]
+    # A tie (the CPU branch ends exactly when filling all would): fill them all.
+    # m=4: q=1, c=3: 510 + 300 = 810 = 10 + 800.
+    assert MissPolicy("qstar", (50.0, 150.0), (10.0, 510.0), S).cpu_count(4) == 0
+    assert MissPolicy("qstar", (50.0, 150.0), (10.0, 509.0), S).cpu_count(4) == 3
     # Unknown fixed costs: the paper's q* alone.
-    assert MissPolicy("qstar", (50.0, 150.0)).lone_cpu_min(2) == 1
+    assert MissPolicy("qstar", (50.0, 150.0)).cpu_count(2) == 1
     with pytest.raises(ValueError, match="miss policy must be one of"):
         MissPolicy("lru")

@@ -202,6 +202,17 @@ def test_lone_miss_rule_fills_when_the_cpu_branch_would_end_later(use_kernel):
         assert int(d.cpu.count) == m - max(1, int(m * 0.25 + 0.5))
 
 
+def test_q_table_entries_are_fill_count():
+    from freetoken_sglang.cache.residency import fill_count
+    from freetoken_sglang.kernels.residency import q_table
+
+    for split in SPLITS + [MissSplit(0.7, 1)]:
+        table = q_table(split, 16, "cpu")
+        assert table.dtype == torch.int32 and table.shape == (17,)
+        assert table.tolist() == [int(fill_count(torch.tensor(m), split)) for m in range(17)]
+    assert q_table(MissSplit(0.7, 1), 16, "cpu")[5] == 4  # 3.5 rounds half up in double
+
+
 def test_lru_order_and_current_step_protection():
     # Two layers of 4 experts, 4 slots: the cache holds exactly one layer.
     E, S = 4, 4

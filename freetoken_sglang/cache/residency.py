@@ -218,15 +218,15 @@ def decide(
 
 
 def fill_count(num_misses: torch.Tensor, split: MissSplit) -> torch.Tensor:
-    """q of ``MissSplit`` (round half up, then the cost check), as a tensor like
-    ``num_misses``."""
+    """q of ``MissSplit`` (round half up, then the cost check), in double precision, as a
+    tensor like ``num_misses`` (the decision kernel reads it from a table of this function,
+    ``kernels/residency.py`` ``q_table``)."""
     q = torch.floor(num_misses.double() * split.fill_ratio + 0.5).to(num_misses.dtype)
     q = torch.minimum(num_misses, q.clamp(min=split.min_fill))
     if split.cpu_us > 0:
-        f32 = lambda v: float(torch.tensor(v, dtype=torch.float32))  # the kernel's scalars
         c = (num_misses - q).double()
-        cpu_end = f32(split.cpu_fixed_us) + c * f32(split.cpu_us)
-        fill_all = f32(split.fill_fixed_us) + num_misses.double() * f32(split.fill_us)
+        cpu_end = split.cpu_fixed_us + c * split.cpu_us
+        fill_all = split.fill_fixed_us + num_misses.double() * split.fill_us
         q = torch.where((c > 0) & (cpu_end >= fill_all), num_misses, q)
     return q
 
