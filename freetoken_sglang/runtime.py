@@ -109,6 +109,7 @@ class FreeTokenRuntime:
         self.resizes = 0
         self.slack_bytes = 0  # SGLang's runtime slack (1 - mem_fraction_static), kept free
         self.serving_free_bytes: Optional[int] = None  # free when serving began
+        self.shrink_floor_bytes: Optional[int] = None  # cache.resize.shrink_floor, lowest
         self.resize_answers: Dict[int, Dict[str, object]] = {}  # by request id, the last few
         self.last_resize: Optional[Dict[str, object]] = None
         self._next_watch = 0.0
@@ -578,6 +579,12 @@ class FreeTokenRuntime:
         self._restore_serving_state(saved)
         if reason == "request":  # the size --freetoken-min-free-gb grows back to
             self.configured_slots = new_slots
+        if self.device.type == "cuda" and self.cache.nbytes < old_slots * per:
+            from freetoken_sglang.cache.resize import shrink_floor
+
+            floor = shrink_floor(free, self._free_for_cache(), old_slots * per - self.cache.nbytes)
+            if self.shrink_floor_bytes is None or floor < self.shrink_floor_bytes:
+                self.shrink_floor_bytes = floor
         self.resizes += 1
         resident = len(everything)
         kept = resident if self.cache.all_resident else min(resident, layout.lru_slots)
@@ -688,7 +695,8 @@ class FreeTokenRuntime:
         ``cache.resize.runtime_reserve``)."""
         from freetoken_sglang.cache.resize import runtime_reserve
 
-        return runtime_reserve(self.slack_bytes, self.serving_free_bytes)
+        return runtime_reserve(self.slack_bytes, self.serving_free_bytes,
+                               self.shrink_floor_bytes)
 
     def watch_free_memory(self, now: Optional[float] = None) -> Optional["ResizeReport"]:
         """``--freetoken-min-free-gb``: at most once a second (at a scheduler safe point),

@@ -16,7 +16,7 @@ import torch
 from freetoken_sglang.cache.residency import ResidencyState, decide
 from freetoken_sglang.cache.resize import (check_invariants, install, kept_experts,
                                            min_free_target, resize_allowance,
-                                           runtime_reserve)
+                                           runtime_reserve, shrink_floor)
 from freetoken_sglang.control import parse_body
 from test_e2e_families import _top2, assert_same_tokens
 
@@ -94,6 +94,31 @@ def test_grow_back_after_shrink():
     allowed = resize_allowance(2 * gib, free_after_shrink, reserve)
     assert allowed == 12 * gib
     assert resize_allowance(2 * gib, free_after_shrink, slack) < 12 * gib  # the old rule
+
+
+def test_grow_back_after_the_runtime_took_memory_while_serving():
+    # The H200 run of session 14 (bytes from its resize answer and nvidia-smi): serving began
+    # with 23.51 GiB free; before the shrink 1536 -> 614 slots only 23.43 GiB was free (the
+    # runtime had taken 0.08 GiB while serving), and the shrink gave back its 8.104 GiB less
+    # 10 MiB that the re-captured graphs took. Growing back to 1536 slots was refused by
+    # 0.09 GiB; with the shrink's floor it fits exactly, and one slot more does not.
+    gib, mib = 1 << 30, 1 << 20
+    slot = 9 * mib
+    slack, serving = int(40 * gib), int(23.51 * gib)
+    before = int(23.43 * gib)
+    freed = (1536 - 614) * slot
+    after = before + freed - 10 * mib
+    floor = shrink_floor(before, after, freed)
+    assert floor == before - 10 * mib
+    old_rule = resize_allowance(614 * slot, after, runtime_reserve(slack, serving))
+    assert old_rule < 1536 * slot
+    allowed = resize_allowance(614 * slot, after, runtime_reserve(slack, serving, floor))
+    assert allowed == 1536 * slot
+    # another application took 1 GiB after the shrink: the grow back is refused again
+    assert resize_allowance(614 * slot, after - gib,
+                            runtime_reserve(slack, serving, floor)) < 1536 * slot
+    # a floor above the other bounds changes nothing
+    assert runtime_reserve(slack, serving, 30 * gib) == serving
 
 
 def test_min_free_rule():

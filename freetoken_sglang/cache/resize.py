@@ -125,14 +125,26 @@ def check_invariants(state: ResidencyState) -> List[str]:
     return problems
 
 
-def runtime_reserve(slack_bytes: int, serving_free_bytes: Optional[int]) -> int:
+def runtime_reserve(slack_bytes: int, serving_free_bytes: Optional[int],
+                    shrink_floor_bytes: Optional[int] = None) -> int:
     """Device memory (bytes) a resize leaves free for SGLang's runtime: its slack, or the
     free memory it started serving with (``serving_free_bytes``, after the KV pool and the
-    CUDA graphs) when that is less, so that a cache can grow back into memory its own
-    shrinks freed."""
-    if serving_free_bytes is None:
-        return slack_bytes
-    return min(slack_bytes, serving_free_bytes)
+    CUDA graphs) when that is less, or the lowest free memory a shrink of this cache started
+    from (``shrink_floor``) when that is less still, so that a cache can grow back into the
+    memory its own shrinks freed: the server already ran with that little free."""
+    reserve = slack_bytes if serving_free_bytes is None else min(slack_bytes, serving_free_bytes)
+    if shrink_floor_bytes is not None:
+        reserve = min(reserve, shrink_floor_bytes)
+    return max(0, reserve)
+
+
+def shrink_floor(free_before: int, free_after: int, freed_bytes: int) -> int:
+    """The free device memory (bytes) a shrink started from, less what the shrink's rebuild
+    kept of the bytes it freed (``freed_bytes - (free_after - free_before)``: the new CUDA
+    graphs, which a later rebuild frees again before it captures), so that growing back to
+    the old size is allowed exactly when the memory the shrink freed is free again."""
+    kept_by_rebuild = max(0, freed_bytes - (free_after - free_before))
+    return free_before - kept_by_rebuild
 
 
 def resize_allowance(cache_bytes: int, free_bytes: int, slack_bytes: int) -> int:
