@@ -1,7 +1,6 @@
 """Triton kernels that copy planned expert rows from the pinned host pool into GPU slots
 through unified virtual addressing (the ``uva`` fill of ``freetoken_sglang/cache/fills.py``):
-one bank per launch (``copy_rows``), or every bank of a fill in one launch
-(``copy_rows_banks``)."""
+every bank of a fill in one launch (``copy_rows_banks``)."""
 
 from __future__ import annotations
 
@@ -12,31 +11,6 @@ import triton
 import triton.language as tl
 
 _BLOCK = 4096
-
-
-@triton.jit
-def _copy_rows_kernel(
-    src_ptr,
-    dst_ptr,
-    src_idx_ptr,
-    dst_idx_ptr,
-    count_ptr,
-    row_elems,
-    chunks,
-    BLOCK: tl.constexpr,
-):
-    # Persistent programs walk the (row, chunk) work of the counted rows only, so a call
-    # with nothing to fill costs one load per program.
-    n = tl.load(count_ptr)
-    for w in range(tl.program_id(0), n * chunks, tl.num_programs(0)):
-        i = w // chunks
-        chunk = w % chunks
-        s = tl.load(src_idx_ptr + i).to(tl.int64)
-        d = tl.load(dst_idx_ptr + i).to(tl.int64)
-        offs = chunk * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < row_elems
-        v = tl.load(src_ptr + s * row_elems + offs, mask=mask)
-        tl.store(dst_ptr + d * row_elems + offs, v, mask=mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,32 +37,19 @@ def copy_rows(
     dst_idx: torch.Tensor,
     count: torch.Tensor,
 ) -> None:
-    """``dst[dst_idx[i]] = src[src_idx[i]]`` for ``i < count[0]``, all read on the device.
+    """``dst[dst_idx[i]] = src[src_idx[i]]`` for ``i < count[0]``, all read on the device: one
+    bank's ``copy_rows_banks``.
 
     Args:
         src: ``[R, ...]`` rows to read (a UVA alias of pinned host memory, or device memory).
         dst: ``[S, ...]`` contiguous device rows, same row shape and dtype as ``src``.
         src_idx, dst_idx: int32 ``[K]`` on the device.
-        count: int32 ``[1]`` on the device; entries at or past it are skipped.
+        count: int32 ``[1]`` on the device, at most ``K``.
+
+    Raises:
+        ValueError: the rows differ, or a bank is not contiguous.
     """
-    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
-        raise ValueError(
-            f"copy_rows: rows differ: src {tuple(src.shape[1:])} {src.dtype}, "
-            f"dst {tuple(dst.shape[1:])} {dst.dtype}"
-        )
-    if not (src.is_contiguous() and dst.is_contiguous()):
-        raise ValueError("copy_rows needs contiguous src and dst banks")
-    k = src_idx.numel()
-    if k == 0:
-        return
-    s = _as_words(src)
-    d = _as_words(dst)
-    row_elems = s.shape[1]
-    chunks = triton.cdiv(row_elems, _BLOCK)
-    grid = (min(k * chunks, _max_programs(dst.device)),)
-    _copy_rows_kernel[grid](
-        s, d, src_idx, dst_idx, count, row_elems, chunks, BLOCK=_BLOCK
-    )
+    copy_rows_banks([src], [dst], src_idx, dst_idx, count)
 
 
 # Banks one launch of ``copy_rows_banks`` carries (BF16 experts have 2, FP8 block 4).
