@@ -56,6 +56,13 @@ Policies (``POLICIES``; ``EXTRA_POLICIES`` are available with ``--policies``):
   first victims. Capacity must be >= 2E + k (reserved) or >= 2E (borrowed), else ValueError.
   ``fills`` are decode fills; ``evictions`` include the entries borrowed for the buffers.
 
+* ``global-lru-admit`` (extra): ``global-lru`` with the server's admission rule
+  (``--freetoken-admission reuse``, ``freetoken_sglang/miss_policy.py``) on decode calls: a
+  miss is filled only if its last use (any call) is more recent than the least recently used
+  slot's (after the call's hits are stamped; while a slot was never used, every miss); the
+  other misses are served without entering the cache (on the CPU in the server). Prefill
+  calls fill every miss. ``fills`` shows how many misses were admitted.
+
 When a call reads more experts than an admit-all policy's cache (or per-layer share) can
 hold, its hits stay, the misses fill every slot not used by the call (global/per-layer LRU:
 in expert order; Belady: earliest next use first) and the rest are served without
@@ -96,7 +103,8 @@ from freetoken_sglang.observe.routing_trace import RoutingTrace  # noqa: E402
 import synthetic_routing  # noqa: E402
 
 POLICIES = ("global-lru", "per-layer-lru", "static-frequent", "prefill-updated", "belady")
-EXTRA_POLICIES = ("belady-total", "static-layers", "stream-reserved", "stream-borrowed")
+EXTRA_POLICIES = ("belady-total", "static-layers", "stream-reserved", "stream-borrowed",
+                  "global-lru-admit")
 STREAM_POLICIES = ("stream-reserved", "stream-borrowed")
 ALL_POLICIES = POLICIES + EXTRA_POLICIES
 ADMIT_ALL = ("global-lru", "per-layer-lru", "belady", "belady-total")
@@ -110,6 +118,7 @@ LABELS = {
     "static-layers": "static whole layers (llama.cpp-style, routing-blind)",
     "stream-reserved": "global LRU of capacity-2E + reserved prefill buffers",
     "stream-borrowed": "global LRU + prefill buffers borrowed per prefill (paper)",
+    "global-lru-admit": "global LRU + admission (misses reused within the LRU age)",
 }
 DEFAULT_CAPACITIES = tuple(range(5, 101, 5))
 
@@ -278,7 +287,7 @@ class LRUCache:
         owner: list [S], item held by each slot or -1 (comparable to ResidencyState.owner).
     """
 
-    __slots__ = ("S", "slot_of", "owner", "order", "next_free")
+    __slots__ = ("S", "slot_of", "owner", "order", "next_free", "clock", "last", "stamp")
 
     def __init__(self, num_slots: int, num_items: int):
         self.S = num_slots
@@ -286,10 +295,15 @@ class LRUCache:
         self.owner = [-1] * num_slots
         self.order: OrderedDict = OrderedDict()  # occupied slots, least recent first
         self.next_free = 0  # slots >= next_free were never used
+        self.clock = 0  # layer calls seen
+        self.last = [0] * num_items  # last use of each item (0: never)
+        self.stamp = [-1] * num_slots  # last use of each slot
 
-    def call(self, items: list) -> tuple[int, int, int]:
-        """One layer call reading ``items`` (distinct, ascending). Returns (misses, fills,
-        evictions)."""
+    def call(self, items: list, admit: bool = False) -> tuple[int, int, int]:
+        """One layer call reading ``items`` (distinct, ascending); with ``admit``, only the
+        misses used since the least recently used slot's last use are filled. Returns
+        (misses, fills, evictions)."""
+        self.clock += 1
         slot_of, order, owner = self.slot_of, self.order, self.owner
         used = []
         misses = []
@@ -300,15 +314,21 @@ class LRUCache:
                 del order[s]  # re-inserted below with the new stamp
             else:
                 misses.append(x)
+        m = len(misses)
+        if admit and misses:
+            oldest = self.stamp[next(iter(order))] if self.next_free == self.S and order else -1
+            misses = [x for x in misses if self.last[x] > oldest]
+        for x in items:
+            self.last[x] = self.clock
         ev = 0
         if misses:
-            m = len(misses)
             victims = []
-            nf = min(m, self.S - self.next_free)
+            n = len(misses)  # the misses to fill
+            nf = min(n, self.S - self.next_free)
             if nf > 0:
                 victims = list(range(self.next_free, self.next_free + nf))
                 self.next_free += nf
-            need = min(m - nf, len(order))
+            need = min(n - nf, len(order))
             popitem = order.popitem
             for _ in range(need):
                 victims.append(popitem(last=False)[0])
@@ -322,10 +342,11 @@ class LRUCache:
             used += victims
             fills = len(victims)
         else:
-            m = fills = 0
+            fills = 0
         used.sort()  # same stamp: lower slot is older
         for s in used:
             order[s] = None
+            self.stamp[s] = self.clock
         return m, fills, ev
 
     def borrow(self, n: int, refill: list) -> int:
@@ -356,8 +377,10 @@ class LRUCache:
         return ev
 
 
-def _sim_lru(calls: CallTable, capacity: int, per_layer: bool, stream: str | None = None):
-    """global/per-layer LRU; ``stream`` "reserved" / "borrowed": the stream-* policies."""
+def _sim_lru(calls: CallTable, capacity: int, per_layer: bool, stream: str | None = None,
+             admit: bool = False):
+    """global/per-layer LRU; ``stream`` "reserved" / "borrowed": the stream-* policies;
+    ``admit``: the admission rule on decode calls (``global-lru-admit``)."""
     C, L, E = calls.num_calls, calls.num_layers, calls.num_experts
     if per_layer:
         caches = [LRUCache(capacity // L, calls.pool) for _ in range(L)]
@@ -373,7 +396,7 @@ def _sim_lru(calls: CallTable, capacity: int, per_layer: bool, stream: str | Non
             m = f = 0
             e = caches[0].borrow(2 * E, last2) if stream == "borrowed" and c % L == 0 else 0
         else:
-            m, f, e = caches[c % nc].call(items)
+            m, f, e = caches[c % nc].call(items, admit and dec[c])
         out_m.append(m)
         out_f.append(f)
         out_e.append(e)
@@ -531,6 +554,9 @@ def run_policy(calls: CallTable, policy: str, capacity: int) -> ReplayCounts:
     fills = evictions = 0
     if policy in ("global-lru", "per-layer-lru"):
         mis, fil, evi, _ = _sim_lru(calls, capacity, per_layer=policy == "per-layer-lru")
+    elif policy == "global-lru-admit":
+        mis, fil, evi, _ = _sim_lru(calls, capacity, per_layer=False, admit=True)
+        fills, evictions = int(fil.sum()), int(evi.sum())
     elif policy in STREAM_POLICIES:
         need = 2 * calls.num_experts + calls.meta["top_k"] * (policy == "stream-reserved")
         if capacity < need:
@@ -766,6 +792,7 @@ STYLE = {
     "static-layers": dict(color="tab:purple", marker="d", ms=3),
     "stream-reserved": dict(color="tab:brown", marker="x", ms=4),
     "stream-borrowed": dict(color="tab:pink", marker="+", ms=5),
+    "global-lru-admit": dict(color="tab:olive", marker="*", ms=5),
 }
 
 

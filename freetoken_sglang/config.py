@@ -152,6 +152,17 @@ class FreeTokenConfig:
             "the CPU.",
         ),
     )
+    admission: str = field(
+        default="off",
+        metadata=dict(
+            type=_choice("off", "reuse"),
+            help="With --freetoken-miss-policy qstar: reuse fills only misses whose last "
+            "use is more recent than the least recently used slot's (an expert that would "
+            "not have survived in the cache since its last use runs on the CPU instead and "
+            "the cache keeps what it has, against thrash at small caches); off (default): "
+            "every miss may be filled.",
+        ),
+    )
     bandwidth: Optional[tuple] = field(
         default=None,
         metadata=dict(
@@ -419,11 +430,17 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
         ineffective = sizes + (["bandwidth"] if cfg.bandwidth is not None else [])
         ineffective += ["miss_policy"] if "miss_policy" in given else []
         ineffective += ["min_free_gb"] if cfg.min_free_gb is not None else []
+        ineffective += ["admission"] if cfg.admission != "off" else []
         for name in ineffective:
             problems.append(f"{cli_name(name)} has no effect with --freetoken-backend cpu")
     else:
         if cfg.bandwidth is not None and cfg.miss_policy != "qstar":
             problems.append("--freetoken-bandwidth is used only by --freetoken-miss-policy qstar")
+        if cfg.admission != "off" and cfg.miss_policy != "qstar":
+            problems.append(
+                "--freetoken-admission is used only by --freetoken-miss-policy qstar (fill "
+                "sends every miss to the cache, cpu never fills)"
+            )
         if cfg.cpu_threads is not None and cfg.miss_policy == "fill":
             problems.append(
                 "--freetoken-cpu-threads is used only when misses run on the CPU "

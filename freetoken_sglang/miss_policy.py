@@ -18,6 +18,13 @@ filling all ``m`` would; otherwise all ``m`` are filled. ``S`` is one expert's b
 term is measured (``bandwidth.py``), none tuned. Where ``B_H <= B_P`` the CPU has no residual
 bandwidth and every miss is filled, as Eq. 4 degenerates.
 
+The admission rule (``--freetoken-admission reuse``, beyond the paper): under thrash, LRU fills
+experts that are evicted before their next use. A miss is fillable only if its last use is
+more recent than the least recently used slot's: had it been admitted then, it would still be
+resident, so its reuse distance is within the cache's residency time. The others run on the
+CPU and the cache keeps what it has. The threshold is the cache's own LRU age, not a tuned
+constant; q* still caps the fills (``cache/residency.py``).
+
 Layer calls over more than ``SPLIT_MAX_TOKENS`` rows that reach the LRU (prefill chunks that
 do not stream, ``execute/choice.py``) fill every miss in all
 three policies; the decision is made from shapes alone, so captured graphs keep it.
@@ -49,6 +56,7 @@ class MissPolicy:
         fixed_us: ``(F_P, F_H)``, the fill and CPU branches' fixed costs per layer call in
             microseconds (``bandwidth.Bandwidth``); ``None``: unknown, no lone-miss rule.
         expert_bytes: S, one expert's bytes in the pool (needed with ``fixed_us``).
+        admission: the admission rule (``qstar`` only).
 
     Raises:
         ValueError: unknown name, ``qstar`` without positive bandwidths, or ``fixed_us``
@@ -59,6 +67,7 @@ class MissPolicy:
     bandwidth: Optional[Tuple[float, float]] = None
     fixed_us: Optional[Tuple[float, float]] = None
     expert_bytes: int = 0
+    admission: bool = False
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -68,6 +77,8 @@ class MissPolicy:
                 raise ValueError("the qstar miss policy needs positive B_P and B_H")
             if self.fixed_us is not None and self.expert_bytes <= 0:
                 raise ValueError("the lone-miss rule needs the expert's bytes")
+        elif self.admission:
+            raise ValueError("the admission rule needs the qstar miss policy")
 
     @property
     def decode_split(self) -> MissSplit:
@@ -78,12 +89,12 @@ class MissPolicy:
             return MissSplit(0.0, 0)
         b_p, b_h = self.bandwidth
         if self.fixed_us is None:
-            return MissSplit(b_p / b_h, 1)
+            return MissSplit(b_p / b_h, 1, admit_reuse=self.admission)
         f_p, f_h = self.fixed_us
         fill_us = self.expert_bytes / (b_p * 1e3)  # bytes / (GB/s) in us
         # Beside a saturated link the CPU reads at B_H - B_P (Eq. 2); none left: always fill.
         cpu_us = self.expert_bytes / ((b_h - b_p) * 1e3) if b_h > b_p else UNREACHABLE_US
-        return MissSplit(b_p / b_h, 1, fill_us, cpu_us, f_p, f_h)
+        return MissSplit(b_p / b_h, 1, fill_us, cpu_us, f_p, f_h, self.admission)
 
     def split_for(self, num_tokens: int) -> MissSplit:
         """The split of a layer call over ``num_tokens`` rows (prefill-sized calls fill)."""
@@ -103,7 +114,8 @@ class MissPolicy:
         if self.name != "qstar":
             return self.name
         b_p, b_h = self.bandwidth
-        text = f"qstar (B_P {b_p:.1f} GB/s, B_H {b_h:.1f} GB/s, q*/m = B_P/B_H = {b_p / b_h:.3f}"
+        text = "qstar with the admission rule (reuse) " if self.admission else "qstar "
+        text += f"(B_P {b_p:.1f} GB/s, B_H {b_h:.1f} GB/s, q*/m = B_P/B_H = {b_p / b_h:.3f}"
         if self.fixed_us is None:
             return text + "; fixed costs unknown: no lone-miss rule)"
         f_p, f_h = self.fixed_us

@@ -372,6 +372,7 @@ class FreeTokenRuntime:
                 (self.bandwidth.b_p, self.bandwidth.b_h),
                 self.bandwidth.fixed_us,
                 self.pool.expert_bytes,
+                admission=self.config.admission == "reuse",
             )
         else:
             self.policy = MissPolicy("cpu")
@@ -556,7 +557,7 @@ class FreeTokenRuntime:
         old_layout, old_slots = old.layout, old.num_slots
         everything = kept_experts(old.residency, old.residency.num_slots)  # MRU first
         clock = int(old.residency.clock.item())
-        cpu_stamp = old.residency.cpu_stamp.clone()
+        last_use = old.residency.last_use.clone()
         saved = self._serving_state()
         from freetoken_sglang.observe.document import prefill_stream_counts
 
@@ -565,12 +566,12 @@ class FreeTokenRuntime:
         old = None
         self._drop_cache(graphs)  # the old banks go first: the kept experts come from the pool
         try:
-            recaptured = self._build_cache(layout, everything, clock, cpu_stamp, graphs)
+            recaptured = self._build_cache(layout, everything, clock, last_use, graphs)
         except Exception as e:  # noqa: BLE001 - out of memory, a capture failure: roll back
             logger.error("FreeToken: resizing the cache to %d slots failed (%s: %s); "
                          "rebuilding it at %d slots", new_slots, type(e).__name__, e, old_slots)
             self._drop_cache(graphs)
-            self._build_cache(old_layout, everything, clock, cpu_stamp, graphs)
+            self._build_cache(old_layout, everything, clock, last_use, graphs)
             self._restore_serving_state(saved)
             raise ValueError(
                 f"the resize to {new_slots} slots failed ({type(e).__name__}: {e}); the cache "
@@ -633,7 +634,7 @@ class FreeTokenRuntime:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _build_cache(self, layout: SlotLayout, everything, clock: int, cpu_stamp,
+    def _build_cache(self, layout: SlotLayout, everything, clock: int, last_use,
                      graphs: tuple) -> list:
         """A cache of ``layout`` with its executors and CUDA graphs, holding the most recent
         of ``everything`` (``cache.resize.kept_experts``' pairs) that fit its LRU."""
@@ -645,7 +646,7 @@ class FreeTokenRuntime:
         if not self.cache.all_resident:
             install(self.cache.residency, self.cache.filler, everything[: layout.lru_slots],
                     clock)
-        self.cache.residency.cpu_stamp.copy_(cpu_stamp)
+        self.cache.residency.last_use.copy_(last_use)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # what the capture allocated and freed

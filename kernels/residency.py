@@ -42,7 +42,7 @@ def _decide_kernel(
     res_ptr,  # int32 [L*E+1]
     owner_ptr,  # int32 [S+1]
     key_ptr,  # int64 [S]
-    cpu_stamp_ptr,  # int64 [L*E]
+    last_use_ptr,  # int64 [L*E]
     num_slots,
     base,  # l*E
     num_experts,
@@ -62,6 +62,7 @@ def _decide_kernel(
     E_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
     SLOT_BLOCK: tl.constexpr,
+    ADMIT: tl.constexpr,  # the admission rule (MissSplit.admit_reuse)
 ):
     e = tl.arange(0, E_PAD)
     nv = tl.load(num_valid_ptr)
@@ -79,21 +80,36 @@ def _decide_kernel(
     hit = (used > 0) & (res >= 0) & em
     miss = (used > 0) & (res < 0) & em
     missi = miss.to(tl.int32)
-    rank = tl.cumsum(missi, axis=0) - 1
     n_miss = tl.sum(missi, axis=0)
     # q of the split (rounding and the lone-miss rule), computed once on the host in double
     # precision (``fill_count``): the kernel's own float scalars would be fp32.
     q = tl.load(q_table_ptr + n_miss)
-    cpu = miss & (rank >= q)
     n_hit = tl.sum(hit.to(tl.int32), axis=0)
-    n_cpu = tl.sum(cpu.to(tl.int32), axis=0)
     now = tl.load(clock_ptr) + 1
     tl.store(clock_ptr, now)
     S = num_slots
     slot = res.to(tl.int64)
     # Stamp the hits first: no slot used by this call can be a victim.
     tl.store(key_ptr + slot, now * S + slot, mask=hit)
-    tl.store(cpu_stamp_ptr + base + e, now + e * 0, mask=cpu)
+    tl.debug_barrier()
+    last = tl.load(last_use_ptr + base + e, mask=em, other=0)
+    if ADMIT:
+        # Misses used more recently than the least recently used slot may be filled (its
+        # stamp is -1 while a slot is empty: every miss).
+        kmin = tl.load(key_ptr)
+        for s0 in range(0, S, SLOT_BLOCK):
+            so = s0 + tl.arange(0, SLOT_BLOCK)
+            keys = tl.load(key_ptr + so, mask=so < S, other=now * S + S)
+            kmin = tl.minimum(kmin, tl.min(keys, axis=0))
+        oldest = (kmin - ((kmin % S) + S) % S) // S
+        eligible = miss & (last > oldest)
+    else:
+        eligible = miss
+    rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
+    q = tl.minimum(q, tl.sum(eligible.to(tl.int32), axis=0))
+    cpu = miss & ((rank >= q) | (eligible == 0))
+    n_cpu = tl.sum(cpu.to(tl.int32), axis=0)
+    tl.store(last_use_ptr + base + e, now + e * 0, mask=(used > 0) & em)
     n_evict = n_miss * 0
     tl.debug_barrier()
     for i in range(0, q):
@@ -104,8 +120,8 @@ def _decide_kernel(
             keys = tl.load(key_ptr + so, mask=so < S, other=now * S + S)
             kmin = tl.minimum(kmin, tl.min(keys, axis=0))
         v = ((kmin % S) + S) % S
-        # The i-th miss, in expert order.
-        ex = tl.sum(tl.where(miss & (rank == i), e, 0), axis=0)
+        # The i-th fillable miss, in expert order.
+        ex = tl.sum(tl.where(eligible & (rank == i), e, 0), axis=0)
         flat = base + ex
         old = tl.load(owner_ptr + v)
         tl.store(res_ptr + tl.maximum(old, 0), -1, mask=old >= 0)
@@ -221,7 +237,7 @@ def decide_triton(
         state.residency,
         state.owner,
         state.key,
-        state.cpu_stamp,
+        state.last_use,
         state.num_slots,
         ordinal * E,
         E,
@@ -241,6 +257,7 @@ def decide_triton(
         E_PAD=triton.next_power_of_2(E),
         BLOCK=_BLOCK,
         SLOT_BLOCK=_SLOT_BLOCK,
+        ADMIT=bool(split.admit_reuse) and state.num_slots > 0,
         num_warps=4,
     )
     return LayerDecision(plan, ids_out, work)

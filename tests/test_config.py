@@ -42,6 +42,7 @@ def test_cli_flags_parse_into_config():
         ["--freetoken-backend", "tpu"],
         ["--freetoken-bandwidth", "55"],
         ["--freetoken-bandwidth", "55,-1"],
+        ["--freetoken-admission", "lfu"],
         ["--freetoken-cpu-threads", "0"],
     ],
 )
@@ -82,6 +83,9 @@ def test_miss_policy_flags():
         ({"freetoken_backend": "cpu", "freetoken_min_free_gb": 4},
          "--freetoken-min-free-gb has no effect with --freetoken-backend cpu"),
         ({"freetoken_bandwidth": "10,20"}, "used only by --freetoken-miss-policy qstar"),
+        ({"freetoken_admission": "reuse"}, "--freetoken-admission is used only by"),
+        ({"freetoken_backend": "cpu", "freetoken_admission": "reuse"},
+         "--freetoken-admission has no effect with --freetoken-backend cpu"),
         ({"freetoken_cpu_threads": 4}, "--freetoken-cpu-threads is used only when"),
         ({"freetoken_cache_slots": 8, "freetoken_kv_reserve_gb": 4},
          "applies only without a cache-size flag"),

@@ -1,6 +1,6 @@
 """End to end on the CPU-run SGLang: a server with ``--enable-freetoken`` and a cache of 25%
 of the expert pool gives the same greedy tokens as stock SGLang (fp32) for every supported
-family and every miss policy (fill, qstar, cpu), through /generate, the OpenAI completion
+family and every miss policy (fill, qstar, cpu, and qstar with the admission rule), through /generate, the OpenAI completion
 and chat endpoints and the Anthropic messages endpoint, including 8 concurrent requests of
 different lengths (in one batch request); prefill chunks of 64 tokens, so that the longer prompts stream their
 layers (full-layer prefill buffers) over several chunks while decode goes through the LRU;
@@ -156,6 +156,9 @@ POLICIES = {
     "qstar": ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40,0,0",
               "--freetoken-prefill-buffers", "reserved"],
     "cpu": ["--freetoken-miss-policy", "cpu"],
+    # q* with the admission rule: misses not used since the LRU slot's last use run on the CPU
+    "qstar-admit": ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40",
+                    "--freetoken-admission", "reuse"],
 }
 
 
@@ -224,20 +227,22 @@ def assert_same_tokens(got, want, label, tie=TIE, max_parted=1, texts=True):
 def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
     path = tiny_checkpoint(family, **FAMILY_SHAPES[family])
     want, _, _ = serve_and_collect(path, CHUNK, str(tmp_path / "stock.log"))
-    for policy, flags in POLICIES.items():
+    for variant, flags in POLICIES.items():
+        policy = variant.split("-")[0]
         got, stats, log = serve_and_collect(
-            path, CHUNK + CACHE_25 + flags, str(tmp_path / f"freetoken-{policy}.log")
+            path, CHUNK + CACHE_25 + flags, str(tmp_path / f"freetoken-{variant}.log")
         )
-        label = f"{family} {policy}"
+        label = f"{family} {variant}"
         assert "GPU expert cache" in log and f"decode misses: {policy}" in log
         assert "2 full-layer prefill buffers" in log
         assert_same_tokens(got, want, label)
         # the cache really served: a quarter of the pool, misses served as the policy says
         total = stats["total"]
         assert stats["miss_policy"] == policy
+        assert stats["admission"] == ("reuse" if variant == "qstar-admit" else "off")
         assert stats["cache"]["slots"] == stats["pool"]["experts"] // 4
         assert stats["cache"]["layout"] == "stream"
-        buffers = "reserved" if policy == "qstar" else "borrowed"
+        buffers = "reserved" if variant == "qstar" else "borrowed"
         assert stats["cache"]["prefill_buffers"] == buffers
         assert stats["prefill_mode"] == {"mode": "stream", "stream_min_tokens": 5}
         assert set(stats["prefill"]) >= {"reads", "hits", "fills"}  # the LRU's prefill phase
@@ -253,10 +258,13 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
         assert stream["bytes_streamed"] == stream["experts_streamed"] * stats["pool"]["expert_bytes"]
         if policy == "fill":
             assert total["cpu"] == 0 and total["fills"] > 0 and total["evictions"] > 0
-        elif policy == "qstar":
+        elif variant == "qstar":
             assert total["fills"] > 0 and total["cpu"] > 0
             assert stats["bandwidth"]["ratio"] == 0.5
             assert (stats["bandwidth"]["F_P_us"], stats["bandwidth"]["F_H_us"]) == (0, 0)
+        elif variant == "qstar-admit":
+            assert total["fills"] > 0 and total["cpu"] > 0
+            assert stats["bandwidth"]["F_P_us"] is None  # the flag gave no fixed costs
         else:
             # decode never fills, and streamed prefill fills nothing through the LRU
             assert total["cpu"] > 0 and total["fills"] == 0

@@ -190,7 +190,7 @@ def _assert_slots_hold_their_owners(rt, pool):
 
 def _lru_state(rt):
     r = rt.cache.residency
-    return [t.clone() for t in (r.residency, r.owner, r.key, r.clock, r.cpu_stamp)]
+    return [t.clone() for t in (r.residency, r.owner, r.key, r.clock, r.last_use)]
 
 
 @pytest.mark.parametrize("buffers", [2, 1])

@@ -56,7 +56,7 @@ def test_decide_on_cuda_matches_reference():
         c = int(da.cpu.count)
         assert db.cpu.experts[:c].tolist() == da.cpu.experts[:c].tolist()
         assert db.cpu.rows[:c].tolist() == da.cpu.rows[:c].tolist()
-    for name in ("residency", "owner", "key", "clock", "cpu_stamp"):
+    for name in ("residency", "owner", "key", "clock", "last_use"):
         assert torch.equal(getattr(a, name), getattr(b, name).cpu()), name
     assert torch.equal(ca, cb.cpu())
 

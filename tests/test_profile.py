@@ -80,6 +80,11 @@ def test_miss_policies():
     assert MissPolicy("cpu").decode_split == MissSplit(0.0, 0)
     with pytest.raises(ValueError, match="positive B_P and B_H"):
         MissPolicy("qstar")
+    assert MissPolicy("qstar", (55.0, 110.0), admission=True).decode_split == MissSplit(
+        0.5, 1, admit_reuse=True)
+    assert "admission rule" in MissPolicy("qstar", (55.0, 110.0), admission=True).describe()
+    with pytest.raises(ValueError, match="needs the qstar miss policy"):
+        MissPolicy("fill", admission=True)
     with pytest.raises(ValueError, match="expert's bytes"):
         MissPolicy("qstar", (55.0, 110.0), (1.0, 2.0))
 

@@ -417,7 +417,7 @@ def test_replay_errors():
         R.capacity_slots(120, 8)
     assert R.capacity_slots(37, 6144) == 2273
     plain = [p for p in R.ALL_POLICIES if p not in R.STREAM_POLICIES]
-    assert [R.run_policy(calls, p, 0).decode_misses for p in plain] == [16] * 7
+    assert [R.run_policy(calls, p, 0).decode_misses for p in plain] == [16] * len(plain)
 
 
 def test_cli_synthetic_outputs_labelled(tmp_path):
@@ -473,3 +473,34 @@ def test_synthetic_generator_semantics():
             assert not set(prev[l].tolist()) & set(cur[l].tolist())
     with pytest.raises(ValueError, match="top_k"):
         SYN.generate(SYN.SyntheticParams(num_experts=2, top_k=3))
+
+
+def test_admission_policy_is_the_servers_rule():
+    """``global-lru-admit``'s cache makes the same choices as the server's decision with the
+    admission rule (``decide_reference``, every fillable miss filled) on random decode calls:
+    the same misses, fills and evictions per call, and the same residents."""
+    import random
+
+    import torch
+
+    from freetoken_sglang.cache.residency import MissSplit, ResidencyState, decide_reference
+
+    rng = random.Random(7)
+    L, E, k, S = 3, 8, 2, 7
+    cache = R.LRUCache(S, L * E)
+    state = ResidencyState(L * E, S, "cpu")
+    counters = torch.zeros(5, L, dtype=torch.int64)
+    split = MissSplit(1.0, 0, admit_reuse=True)
+    one = torch.tensor([1], dtype=torch.int32)
+    for step in range(200):
+        layer = step % L
+        hot = [(layer * 3 + j) % E for j in range(3)]
+        ids = rng.sample(hot if rng.random() < 0.5 else range(E), k)
+        before = counters[:, layer].clone()
+        decide_reference(state, counters, layer, E, torch.tensor([ids], dtype=torch.int32),
+                         torch.ones(1, k), one, split)
+        d = (counters[:, layer] - before).tolist()  # reads, hits, fills, evictions, cpu
+        m, f, e = cache.call(sorted(layer * E + x for x in ids), admit=True)
+        assert (m, f, e) == (d[0] - d[1], d[2], d[3]), step
+        resident = {x for x in cache.owner if x >= 0}
+        assert resident == {x for x in state.owner[:S].tolist() if x >= 0}

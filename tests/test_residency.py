@@ -22,7 +22,9 @@ from freetoken_sglang.cache.residency import (
 # The last split has the lone-miss rule's cost check (fill 200 us, CPU 100 us per expert,
 # fixed 10 / 500 us): 2 or 3 misses are all filled, 4 keep 3 on the CPU.
 COSTED = MissSplit(0.25, 1, 200.0, 100.0, 10.0, 500.0)
-SPLITS = [FILL_ALL, MissSplit(0.6, 1), MissSplit(0.25, 1), MissSplit(0.0, 0), COSTED]
+# The admission rule: only misses used since the least recently used slot's last use fill.
+ADMIT = MissSplit(0.6, 1, admit_reuse=True)
+SPLITS = [FILL_ALL, MissSplit(0.6, 1), MissSplit(0.25, 1), MissSplit(0.0, 0), COSTED, ADMIT]
 
 
 class ReferenceLRU:
@@ -35,7 +37,7 @@ class ReferenceLRU:
         self.stamp = [-1] * num_slots
         self.slot_of = {}
         self.clock = 0
-        self.cpu_stamp = [0] * (num_layers * num_experts)
+        self.last_use = [0] * (num_layers * num_experts)
         self.counts = [[0] * num_layers for _ in range(5)]
 
     def call(self, layer, ids, weights, num_valid, split, scale):
@@ -51,9 +53,15 @@ class ReferenceLRU:
             split.cpu_fixed_us + c * split.cpu_us >= split.fill_fixed_us + m * split.fill_us
         ):
             q = m  # the CPU branch would end after filling all m: fill them
-        to_fill, to_cpu = misses[:q], misses[q:]
         for f in hits:
             self.stamp[self.slot_of[f]] = self.clock
+        fillable = misses
+        if split.admit_reuse:
+            oldest = min(self.stamp)  # -1 while a slot is empty
+            fillable = [f for f in misses if self.last_use[f] > oldest]
+        to_fill = fillable[:q]
+        to_cpu = [f for f in misses if f not in to_fill]
+        q = len(to_fill)
         order = sorted(range(self.S), key=lambda s: (self.stamp[s], s))
         fills, evictions = [], 0
         for f, victim in zip(to_fill, order):
@@ -66,8 +74,8 @@ class ReferenceLRU:
             self.slot_of[f] = victim
             self.stamp[victim] = self.clock
             fills.append((f, victim))
-        for f in to_cpu:
-            self.cpu_stamp[f] = self.clock
+        for f in flat:
+            self.last_use[f] = self.clock
         for i, n in enumerate((len(used), len(hits), q, evictions, len(to_cpu))):
             self.counts[i][layer] += n
         cpu_set = {f - layer * self.E for f in to_cpu}
@@ -148,7 +156,7 @@ def test_decide_matches_reference_lru(seed):
                 assert slots[e] >= 0 or e in cpu_experts
             assert state.owner[:S].tolist() == ref.owner
             assert state.stamp.tolist() == ref.stamp
-            assert state.cpu_stamp.tolist() == ref.cpu_stamp
+            assert state.last_use.tolist() == ref.last_use
     assert counters.tolist() == ref.counts
     reads, hits, fills, evictions, cpu = counters.sum(1).tolist()
     assert hits + fills + cpu == reads
@@ -200,6 +208,31 @@ def test_lone_miss_rule_fills_when_the_cpu_branch_would_end_later(use_kernel):
         state = ResidencyState(E, E, "cpu")
         d = run(state, counters, 0, E, ids, torch.ones(1, m), one, MissSplit(0.25, 1))
         assert int(d.cpu.count) == m - max(1, int(m * 0.25 + 0.5))
+
+
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])
+def test_admission_keeps_the_cache_under_a_cyclic_scan(use_kernel):
+    # One expert per call, cycling over 5 experts with 4 slots: plain LRU misses every read
+    # (each fill evicts the expert needed next); with admission the fifth expert, last used
+    # before the oldest slot's last use, runs on the CPU and the other four stay resident.
+    from freetoken_sglang.cache.residency import decide_reference
+
+    if use_kernel:
+        from freetoken_sglang.kernels.residency import decide_triton as run
+    else:
+        run = decide_reference
+    E, S = 5, 4
+    one = torch.tensor([1], dtype=torch.int32)
+    for split, want in ((MissSplit(1.0, 0), [20, 0, 20, 16, 0]),
+                        (MissSplit(1.0, 0, admit_reuse=True), [20, 12, 4, 0, 4])):
+        state = ResidencyState(E, S, "cpu")
+        counters = torch.zeros(5, 1, dtype=torch.int64)
+        for step in range(20):
+            ids = torch.tensor([[step % E]], dtype=torch.int32)
+            run(state, counters, 0, E, ids, torch.ones(1, 1), one, split)
+            check_invariants(state, E)
+        assert counters[:, 0].tolist() == want, split  # reads, hits, fills, evictions, cpu
+        assert state.last_use.tolist() == [16, 17, 18, 19, 20]
 
 
 def test_q_table_entries_are_fill_count():
@@ -315,7 +348,7 @@ def test_triton_kernel_matches_the_torch_reference(seed):
         for f in ("rows", "experts"):
             assert getattr(db.cpu, f)[:c].tolist() == getattr(da.cpu, f)[:c].tolist()
         assert torch.allclose(db.cpu.weights[:c], da.cpu.weights[:c])
-        for name in ("residency", "owner", "key", "clock", "cpu_stamp"):
+        for name in ("residency", "owner", "key", "clock", "last_use"):
             assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
     assert torch.equal(ca, cb)
     assert ca[3].sum() + ca[4].sum() > 0, "the sequence should evict or use the CPU"

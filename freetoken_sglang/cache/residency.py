@@ -13,8 +13,8 @@ The state, shared by all MoE layers:
     key        int64 [S]        LRU key of each slot: ``stamp * S + slot``, where ``stamp`` is
                                 the clock value of its last use (-1: never used)
     clock      int64 [1]        advanced once per layer call
-    cpu_stamp  int64 [L*E]      clock value of each expert's last run on the CPU (0: never);
-                                recorded so that a policy can admit it later
+    last_use   int64 [L*E]      clock value of each expert's last use: hit, fill or CPU run
+                                (0: never); the admission rule reads it
 
 LRU order: the victims of a call's fills are the slots with the smallest keys, i.e. the
 least recently used, ties broken by the lowest slot. Experts used by the call are stamped
@@ -40,7 +40,11 @@ class MissSplit:
     CPU experts stay on the CPU only if their branch ends before filling all m would,
     ``cpu_fixed_us + c * cpu_us < fill_fixed_us + m * fill_us``; otherwise every miss is
     filled. Times in microseconds: per expert over PCIe (``fill_us``) and on the CPU beside a
-    saturated link (``cpu_us``), and each branch's fixed cost per layer call."""
+    saturated link (``cpu_us``), and each branch's fixed cost per layer call.
+
+    With ``admit_reuse`` (the admission rule, ``miss_policy.py``) only misses whose last use
+    is more recent than the least recently used slot's may be filled (at most q of them, in
+    expert order); the other misses run on the CPU and leave the cache as it is."""
 
     fill_ratio: float = 1.0
     min_fill: int = 0
@@ -48,6 +52,7 @@ class MissSplit:
     cpu_us: float = 0.0
     fill_fixed_us: float = 0.0
     cpu_fixed_us: float = 0.0
+    admit_reuse: bool = False
 
 
 FILL_ALL = MissSplit(1.0, 0)
@@ -108,7 +113,7 @@ class ResidencyState:
         self.slots = torch.arange(num_slots, dtype=torch.int64, device=device)
         self.key = self.slots - num_slots
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
-        self.cpu_stamp = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.last_use = torch.zeros(num_rows, dtype=torch.int64, device=device)
 
     @property
     def stamp(self) -> torch.Tensor:
@@ -121,7 +126,7 @@ class ResidencyState:
         self.owner.fill_(-1)
         torch.sub(self.slots, self.num_slots, out=self.key)
         self.clock.zero_()
-        self.cpu_stamp.zero_()
+        self.last_use.zero_()
 
     def make_all_resident(self) -> None:
         """Slot ``i`` holds flat expert ``i`` for every expert.
@@ -198,7 +203,7 @@ def decide(
     Returns:
         A LayerDecision: the fills (``K = max_unique_experts(T, k, E)`` entries), the routed
         ids for the GPU compute and the CPU work items. CPU-executed experts stay out of the
-        cache (their use is recorded in ``state.cpu_stamp``).
+        cache (every used expert's clock is recorded in ``state.last_use``).
 
     On CUDA this is one single-program Triton kernel (``kernels/residency.py``); elsewhere
     the torch reference below. Both give identical results. The cache must have
@@ -254,10 +259,7 @@ def decide_reference(
     layer_res = state.layer_slots(ordinal, E)
     hit = used & (layer_res >= 0)
     miss = used & (layer_res < 0)
-    rank = torch.cumsum(miss.int(), 0) - 1
     q = fill_count(miss.sum().int(), split)
-    fill = miss & (rank < q)
-    cpu = miss & (rank >= q)
 
     state.clock.add_(1)
     now = state.clock  # [1]
@@ -267,6 +269,18 @@ def decide_reference(
     key_ext = torch.cat([state.key, state.key.new_zeros(1)])
     key_ext.index_copy_(0, hit_slot, now * S + hit_slot)
     state.key.copy_(key_ext[:S])
+
+    # Which misses may be filled: all, or (admission) those used more recently than the
+    # least recently used slot (stamp -1 while a slot is empty: every miss).
+    layer_last = state.last_use[base : base + E]
+    if split.admit_reuse and S > 0:
+        oldest = torch.div(state.key.min(), S, rounding_mode="floor")
+        eligible = miss & (layer_last > oldest)
+    else:
+        eligible = miss
+    rank = torch.cumsum(eligible.int(), 0) - 1
+    fill = eligible & (rank < q)
+    cpu = miss & ~fill
 
     # The K least recently used slots, oldest first (keys are unique).
     cand = torch.topk(state.key, min(K, S), largest=False, sorted=True).indices
@@ -288,8 +302,7 @@ def decide_reference(
     key_ext = torch.cat([state.key, state.key.new_zeros(1)])
     key_ext.index_copy_(0, victim.long(), now * S + victim.long())
     state.key.copy_(key_ext[:S])
-    layer_cpu_stamp = state.cpu_stamp[base : base + E]
-    layer_cpu_stamp.copy_(torch.where(cpu, now, layer_cpu_stamp))
+    layer_last.copy_(torch.where(used, now, layer_last))
 
     # Fill list: compact the filled misses to the front, in expert order.
     pos = torch.where(fill, rank, K).long()
