@@ -60,8 +60,10 @@ Policies (``POLICIES``; ``EXTRA_POLICIES`` are available with ``--policies``):
   (``--freetoken-admission reuse``, ``freetoken_sglang/miss_policy.py``) on decode calls: a
   miss is filled only if its last use (any call) is more recent than the least recently used
   slot's (after the call's hits are stamped; while a slot was never used, every miss); the
-  other misses are served without entering the cache (on the CPU in the server). Prefill
-  calls fill every miss. ``fills`` shows how many misses were admitted.
+  other misses are served without entering the cache (on the CPU in the server). Every
+  admitted miss is filled: the server's qstar with admission where B_P >= B_H (q* = m); with
+  B_P < B_H the server fills at most q* of them. Prefill calls fill every miss (the server
+  streams them). ``fills`` shows how many misses were admitted.
 
 When a call reads more experts than an admit-all policy's cache (or per-layer share) can
 hold, its hits stay, the misses fill every slot not used by the call (global/per-layer LRU:

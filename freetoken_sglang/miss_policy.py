@@ -102,7 +102,8 @@ class MissPolicy:
 
     def cpu_count(self, num_misses: int) -> int:
         """How many of a decode call's ``num_misses`` misses run on the CPU (0: every miss is
-        filled), for the log and the tests."""
+        filled), for the log and the tests; with the admission rule at least this many (the
+        misses it does not admit run there too)."""
         import torch
 
         from freetoken_sglang.cache.residency import fill_count

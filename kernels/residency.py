@@ -6,7 +6,8 @@ LRU victim for each fill, and writes the fill plan and the CPU work items (paper
 One launch per layer call, no host sync, fixed shapes: decode CUDA graphs capture it. A
 slot's LRU key is ``stamp * S + slot``, so the least recently used slot is simply the
 smallest key; a chosen victim is re-keyed with the current stamp, so the next search skips
-it. Calls with no miss never scan the slots. Results are identical to the torch reference
+it. Calls with no miss never scan the slots (with the admission rule, a call with misses scans
+them once more for the least recently used stamp). Results are identical to the torch reference
 in ``freetoken_sglang/cache/residency.py``.
 """
 
@@ -95,9 +96,9 @@ def _decide_kernel(
     last = tl.load(last_use_ptr + base + e, mask=em, other=0)
     if ADMIT:
         # Misses used more recently than the least recently used slot may be filled (its
-        # stamp is -1 while a slot is empty: every miss).
+        # stamp is -1 while a slot is empty: every miss). No miss: no scan (S * 0 loops).
         kmin = tl.load(key_ptr)
-        for s0 in range(0, S, SLOT_BLOCK):
+        for s0 in range(0, S * (n_miss > 0).to(tl.int32), SLOT_BLOCK):
             so = s0 + tl.arange(0, SLOT_BLOCK)
             keys = tl.load(key_ptr + so, mask=so < S, other=now * S + S)
             kmin = tl.minimum(kmin, tl.min(keys, axis=0))
@@ -109,9 +110,9 @@ def _decide_kernel(
     q = tl.minimum(q, tl.sum(eligible.to(tl.int32), axis=0))
     cpu = miss & ((rank >= q) | (eligible == 0))
     n_cpu = tl.sum(cpu.to(tl.int32), axis=0)
-    tl.store(last_use_ptr + base + e, now + e * 0, mask=(used > 0) & em)
     n_evict = n_miss * 0
     tl.debug_barrier()
+    tl.store(last_use_ptr + base + e, now + e * 0, mask=(used > 0) & em)
     for i in range(0, q):
         # The least recently used slot: the smallest key (keys are unique).
         kmin = tl.load(key_ptr)

@@ -41,7 +41,8 @@ def test_decide_on_cuda_matches_reference():
         layer = rng.randrange(L)
         # small calls: q* alone, or with the lone-miss rule's cost check (fixed 10/500 us)
         costed = MissSplit(0.6, 1, 200.0, 100.0, 10.0, 500.0)
-        split = (rng.choice([MissSplit(0.6, 1), MissSplit(0.7, 1), costed]) if T <= 16
+        admit = MissSplit(0.6, 1, admit_reuse=True)
+        split = (rng.choice([MissSplit(0.6, 1), MissSplit(0.7, 1), costed, admit]) if T <= 16
                  else MissSplit(1.0, 0))
         ids = torch.tensor([rng.sample(range(E), k) for _ in range(T)], dtype=torch.int32)
         w = torch.rand(T, k)

@@ -316,22 +316,27 @@ def test_no_slot_runs_every_expert_on_the_cpu():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("seed", range(len(SPLITS)))
+@pytest.mark.parametrize("seed", list(range(len(SPLITS))) + ["admit-small"])
 def test_triton_kernel_matches_the_torch_reference(seed):
     """The CUDA path's kernel (run by Triton's interpreter here) gives the reference's plans,
     CPU items, routing, state and counters."""
     from freetoken_sglang.kernels.residency import decide_triton
     from freetoken_sglang.cache.residency import decide_reference
 
-    rng = random.Random(100 + seed)
-    L, E, k = rng.choice([(3, 8, 2), (2, 12, 3), (2, 64, 4)])
-    S = rng.randint(E, E + E // 2)  # at most 1.5 layers' worth: evictions happen
-    split = SPLITS[seed]
+    if seed == "admit-small":
+        # admission with every admitted miss filled: each CPU item is a miss it refused
+        rng = random.Random(99)
+        L, E, k, S, split = 3, 8, 2, 8, MissSplit(1.0, 0, admit_reuse=True)
+    else:
+        rng = random.Random(100 + seed)
+        L, E, k = rng.choice([(3, 8, 2), (2, 12, 3), (2, 64, 4)])
+        S = rng.randint(E, E + E // 2)  # at most 1.5 layers' worth: evictions happen
+        split = SPLITS[seed]
     a, b = ResidencyState(L * E, S, "cpu"), ResidencyState(L * E, S, "cpu")
     ca = torch.zeros(5, L, dtype=torch.int64)
     cb = torch.zeros(5, L, dtype=torch.int64)
-    for step in range(16):
-        T = rng.choice([1, 2, 5, 30])
+    for step in range(40 if seed == "admit-small" else 16):
+        T = rng.choice([1, 2] if seed == "admit-small" else [1, 2, 5, 30])
         nv = torch.tensor([rng.randint(1, T)], dtype=torch.int32)
         layer = rng.randrange(L)
         ids = torch.tensor([rng.sample(range(E), k) for _ in range(T)], dtype=torch.int32)
@@ -352,3 +357,5 @@ def test_triton_kernel_matches_the_torch_reference(seed):
             assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
     assert torch.equal(ca, cb)
     assert ca[3].sum() + ca[4].sum() > 0, "the sequence should evict or use the CPU"
+    if seed == "admit-small":
+        assert ca[4].sum() > 0 and ca[3].sum() > 0, "admission should refuse some misses"
