@@ -181,8 +181,31 @@ def run_system(label, model_path, flags, args, sampler, log_dir) -> Dict[str, ob
         result["startup_s"] = server.startup_s
         result["peak_gpu_gib_load"] = sampler.peak_gib()
         sampler.reset()
-        result.update(measure_decode(url, args.input_len, args.new_tokens, args.repeats,
-                                     max_request_s=args.max_request_s))
+        ratios = [float(x) for x in (args.cache_ratios or "").split(",") if x]
+        if ratios and freetoken_stats(url) is not None:
+            # One server, several cache sizes: resize (POST /freetoken/cache) before each
+            # measurement; the cache keeps its most recently used experts across a shrink.
+            result["by_ratio"] = []
+            rows = freetoken_stats(url)["pool"]["experts"]
+            for ratio in ratios:
+                slots = max(1, round(ratio * rows))
+                t0 = time.perf_counter()
+                r = requests.post(url + "/freetoken/cache", json={"slots": slots}, timeout=600)
+                answer = r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
+                cell = {"ratio": ratio, "slots": slots, "resize_status": r.status_code,
+                        "resize_s": time.perf_counter() - t0, "resize_answer": answer}
+                if r.status_code == 200:
+                    cell.update(measure_decode(url, args.input_len, args.new_tokens,
+                                               args.repeats, max_request_s=args.max_request_s))
+                result["by_ratio"].append(cell)
+                print(json.dumps({"label": label, **{k: cell.get(k) for k in (
+                    "ratio", "slots", "resize_s", "bs1_decode_tok_s", "bs4_total_tok_s")}}),
+                      flush=True)
+            first = result["by_ratio"][0]
+            result.update({k: v for k, v in first.items() if k.startswith(("bs1", "bs4"))})
+        else:
+            result.update(measure_decode(url, args.input_len, args.new_tokens, args.repeats,
+                                         max_request_s=args.max_request_s))
         result["peak_gpu_gib_serving"] = sampler.peak_gib()
         s = freetoken_stats(url)
         if s is not None:
@@ -228,7 +251,14 @@ def table(results: List[Dict[str, object]]) -> str:
     lines.append("|" + "---|" * (len(cols) + 9))
     fmt = lambda v: f"{v:.3f}" if v is not None else "-"
     share = lambda w: w["cpu"] / w["reads"] if w.get("reads") else None
-    for r in results:
+    expanded = []
+    for r in results:  # one row per cache size of a --cache-ratios system
+        for cell in r.get("by_ratio") or [None]:
+            expanded.append(r if cell is None else {**r, **cell, "label": f"{r['label']}@{cell['ratio']:g}"}
+                            if cell.get("resize_status") == 200 else
+                            {"label": f"{r['label']}@{cell['ratio']:g}",
+                             "error": f"resize refused: {cell.get('resize_answer')}"})
+    for r in expanded:
         if r.get("error"):
             lines.append(f"| {r['label']} | failed: {serve_bench.cell_text(r['error'], 120)} |"
                          + " - |" * (len(cols) + 7))
@@ -262,6 +292,10 @@ def main(argv=None):
     ap.add_argument("--max-request-s", type=float, default=None,
                     help="cut each request after this many seconds (slow systems such as "
                          "--cpu-offload-gb); cut requests are counted in the results")
+    ap.add_argument("--cache-ratios", default=None,
+                    help="comma-separated fractions of the pool: on each FreeToken server, resize "
+                         "the cache to each in turn (POST /freetoken/cache) and measure there; "
+                         "give them in decreasing order so that every resize is a shrink")
     ap.add_argument("--out-dir", default=tempfile.mkdtemp(prefix="ft-bench-"))
     a = ap.parse_args(argv)
     if a.max_request_s is not None and not (math.isfinite(a.max_request_s) and a.max_request_s > 0):
