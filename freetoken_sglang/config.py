@@ -163,6 +163,16 @@ class FreeTokenConfig:
             "every miss may be filled.",
         ),
     )
+    cpu_branch: str = field(
+        default="doorbell",
+        metadata=dict(
+            type=_choice("doorbell", "host-node"),
+            help="How the GPU hands a layer call's CPU experts to the C executor (qstar and "
+            "cpu on a GPU): doorbell (default) writes them into mapped host memory for a "
+            "polling thread, and a call without CPU experts costs two kernels that return at "
+            "once; host-node runs a CUDA host-function node on every layer call.",
+        ),
+    )
     bandwidth: Optional[tuple] = field(
         default=None,
         metadata=dict(
@@ -431,11 +441,15 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
         ineffective += ["miss_policy"] if "miss_policy" in given else []
         ineffective += ["min_free_gb"] if cfg.min_free_gb is not None else []
         ineffective += ["admission"] if cfg.admission != "off" else []
+        ineffective += ["cpu_branch"] if "cpu_branch" in given else []
         for name in ineffective:
             problems.append(f"{cli_name(name)} has no effect with --freetoken-backend cpu")
     else:
         if cfg.bandwidth is not None and cfg.miss_policy != "qstar":
             problems.append("--freetoken-bandwidth is used only by --freetoken-miss-policy qstar")
+        if "cpu_branch" in given and cfg.miss_policy == "fill":
+            problems.append("--freetoken-cpu-branch is used only by the qstar and cpu miss "
+                            "policies (fill never runs experts on the CPU)")
         if cfg.admission != "off" and cfg.miss_policy != "qstar":
             problems.append(
                 "--freetoken-admission is used only by --freetoken-miss-policy qstar (fill "

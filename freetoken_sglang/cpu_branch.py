@@ -1,11 +1,17 @@
 """The CPU branch of a MoE layer call: run its CPU-executed experts with the C executor while
 the GPU serves hits and fills, then merge the two partial outputs (paper §3.2, §4.1).
 
-On CUDA the branch is a host-function node on a side stream: the activations and the work
-items are copied to pinned host buffers on the compute stream, the side stream calls the C
-entry point ``ft_cpu_moe_run`` through ``cuLaunchHostFunc`` (no Python runs per step, so CUDA
-graphs capture it), copies the fp32 partial back, and the compute stream waits for it before
-the merge. On a CPU device the executor runs in the calling thread.
+On CUDA, two mechanisms (``mode``); neither runs Python per step, so CUDA graphs capture them:
+- ``doorbell`` (the default): a kernel writes the activations and the work items into mapped
+  pinned memory and rings a doorbell there; a serving thread (``cpu_executor.Doorbell``) runs
+  the C executor and writes the fp32 partial back into mapped memory; the merge kernel waits
+  for it and adds it. A layer call without CPU items costs two kernels that return at once
+  (``kernels/doorbell.py``).
+- ``host-node``: the inputs are copied to pinned host buffers on the compute stream, a side
+  stream calls ``ft_cpu_moe_run`` through ``cuLaunchHostFunc``, copies the partial back, and
+  the compute stream waits for it before the merge; it runs on every layer call.
+On a CPU device the executor runs in the calling thread, and not at all when a call has no
+CPU item.
 """
 
 from __future__ import annotations
@@ -44,7 +50,13 @@ class CpuBranch:
         act_dtype: activation dtype of the layer inputs.
         max_rows: the most rows of one call: the pinned buffers are allocated once, at this
             size, and never move (captured graphs hold their addresses).
+        mode: ``doorbell`` or ``host-node`` (CUDA only; see the module docstring).
+
+    Raises:
+        ValueError: an unknown ``mode``.
     """
+
+    MODES = ("doorbell", "host-node")
 
     def __init__(
         self,
@@ -54,7 +66,13 @@ class CpuBranch:
         top_k: int,
         act_dtype: torch.dtype,
         max_rows: int = 64,
+        mode: str = "doorbell",
     ):
+        if mode not in self.MODES:
+            raise ValueError(f"CpuBranch mode must be one of {self.MODES}, got {mode!r}")
+        self.mode = mode
+        self.doorbell = None
+        self.calls = 0  # CPU-device runs of the executor (tests: skipped without items)
         self.executor = executor
         self.device = torch.device(device)
         self.hidden_size = hidden_size
@@ -62,12 +80,48 @@ class CpuBranch:
         self.act_dtype = act_dtype
         self.max_rows = max_rows
         self._done: Optional[torch.cuda.Event] = None
+        self._count = None
         self._partial: Optional[torch.Tensor] = None
         self.tasks: Dict[int, object] = {}
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
             self._entry = executor.task_entry_address
             self._allocate(max_rows)
+            if mode == "doorbell":
+                self._start_doorbell(max_rows)
+
+    def _start_doorbell(self, rows: int) -> None:
+        from freetoken_sglang.cpu_executor import Doorbell
+        from freetoken_sglang.pool import HostExpertPool
+
+        uva = HostExpertPool._uva_view
+        # int64 words: ring [0], done [8], n_rows [16] and status [20] (int32): separate lines
+        self.hdr_host = torch.zeros(24, dtype=torch.int64, device="cpu", pin_memory=True)
+        self.nrows_host = self.hdr_host[16:17].view(torch.int32)[:1]
+        self.seq_dev = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.status_host = self.hdr_host[20:21].view(torch.int32)[:1]  # set by the merge kernel
+        self._uva = {
+            "x": uva(self.x_host), "rows": uva(self.rows_host),
+            "experts": uva(self.experts_host), "weights": uva(self.weights_host),
+            "count": uva(self.count_host), "n_rows": uva(self.nrows_host),
+            "ring": uva(self.hdr_host[0:1]), "done": uva(self.hdr_host[8:9]),
+            "out": uva(self.out_host), "status": uva(self.status_host),
+        }
+        self._door_task = self.executor.make_task(
+            x_ptr=self.x_host.data_ptr(), x_dtype=self.act_dtype, n_rows=rows,
+            rows_ptr=self.rows_host.data_ptr(), experts_ptr=self.experts_host.data_ptr(),
+            weights_ptr=self.weights_host.data_ptr(), out_ptr=self.out_host.data_ptr(),
+            n_items_ptr=self.count_host.data_ptr(), zero_output=True,
+        )
+        self.doorbell = Doorbell(self._door_task, self.nrows_host.data_ptr(),
+                                 self.hdr_host[0:1].data_ptr(), self.hdr_host[8:9].data_ptr())
+        self._count = None
+
+    def close(self) -> None:
+        """Stop the doorbell's serving thread (before the executor is closed)."""
+        if self.doorbell is not None:
+            self.doorbell.stop()
+            self.doorbell = None
 
     def _allocate(self, rows: int) -> None:
         H, n = self.hidden_size, rows * self.top_k
@@ -107,7 +161,9 @@ class CpuBranch:
         if self.device.type != "cuda":
             n = int(work.count)
             out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32)
-            self.executor.run(x, work.rows[:n], work.experts[:n], work.weights[:n], out)
+            if n:
+                self.executor.run(x, work.rows[:n], work.experts[:n], work.weights[:n], out)
+                self.calls += 1
             self._partial = out
             return
         rows = x.shape[0]
@@ -116,6 +172,13 @@ class CpuBranch:
                 f"FreeToken CPU branch: a layer call of {rows} rows, more than the "
                 f"{self.max_rows} rows its buffers were sized for at start"
             )
+        if self.doorbell is not None:
+            from freetoken_sglang.kernels import doorbell
+
+            doorbell.post(x, work.rows, work.experts, work.weights, work.count, self.seq_dev,
+                          self._uva)
+            self._count = work.count
+            return
         n = work.rows.numel()
         self.x_host[:rows].copy_(x, non_blocking=True)
         self.rows_host[:n].copy_(work.rows, non_blocking=True)
@@ -136,6 +199,14 @@ class CpuBranch:
     def merge(self, gpu_out: torch.Tensor) -> torch.Tensor:
         """Add the CPU partial (fp32 ``[T, H]``) to ``gpu_out`` (``[T, H]``, the layer dtype)
         in place, computing in fp32; returns ``gpu_out``."""
+        if self._count is not None:
+            from freetoken_sglang.kernels import doorbell
+
+            rows = gpu_out.shape[0]
+            doorbell.wait_merge(gpu_out, self._count, self.seq_dev, self._uva["done"],
+                                self._uva["out"][:rows], self._uva["status"])
+            self._count = None
+            return gpu_out
         if self._done is not None:
             torch.cuda.current_stream().wait_event(self._done)
             self._done = None
@@ -150,6 +221,17 @@ class CpuBranch:
         Raises:
             RuntimeError: naming the C error and the offending work item.
         """
+        if self.doorbell is not None:
+            from freetoken_sglang.cpu_executor import _strerror
+
+            if self.doorbell.status != 0:
+                raise RuntimeError(
+                    "FreeToken: the CPU expert executor failed in a layer call: "
+                    f"{_strerror(self.doorbell.status)} (item {self.doorbell.error_index})")
+            if int(self.status_host[0]) != 0:
+                raise RuntimeError(
+                    "FreeToken: a layer call's merge gave up waiting for the CPU expert "
+                    "executor (its doorbell thread did not answer)")
         for rows, task in self.tasks.items():
             if task.status != 0:
                 from freetoken_sglang.cpu_executor import _strerror

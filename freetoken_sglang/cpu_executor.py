@@ -291,6 +291,58 @@ class CpuMoeTask:
             )
 
 
+class Doorbell:
+    """A serving thread for one task, started by the GPU through a doorbell in mapped host
+    memory instead of a host-function node (C ``ft_doorbell``, ``cpu_executor.h``).
+
+    The GPU writes the task's inputs and ``*n_rows_ptr``, then a new sequence number into
+    ``*ring``; the thread (``threading.Thread`` running ``ft_doorbell_serve``, which holds no
+    GIL) runs the task and writes that number into ``*done``. It busy-polls for ``spin_us``
+    microseconds after each call, then polls every ``sleep_us``.
+
+    Args:
+        task: the :class:`CpuMoeTask` to run (its ``n_rows`` is overwritten per call).
+        n_rows_ptr: address of an int32; ring_ptr, done_ptr: addresses of int64s (pinned host
+            memory, on separate cache lines).
+    """
+
+    def __init__(self, task: "CpuMoeTask", n_rows_ptr: int, ring_ptr: int, done_ptr: int,
+                 spin_us: int = 2000, sleep_us: int = 50):
+        import threading
+
+        self._task = task
+        db = _ffi.new("ft_doorbell *")
+        db.task = task._struct
+        db.n_rows_ptr = _ffi.cast("int32_t *", n_rows_ptr)
+        db.ring = _ffi.cast("int64_t *", ring_ptr)
+        db.done = _ffi.cast("int64_t *", done_ptr)
+        db.spin_us, db.sleep_us = int(spin_us), int(sleep_us)
+        self._db = db
+        self._thread = threading.Thread(target=_lib.ft_doorbell_serve, args=(db,),
+                                        name="freetoken-doorbell", daemon=True)
+        self._thread.start()
+
+    @property
+    def served(self) -> int:
+        """Calls served so far."""
+        return int(self._db.served)
+
+    @property
+    def status(self) -> int:
+        """The first failed run's ``FT_ERR_*`` code, or 0."""
+        return int(self._db.status)
+
+    @property
+    def error_index(self) -> int:
+        return int(self._db.error_index)
+
+    def stop(self) -> None:
+        """Stop the thread and join it (idempotent)."""
+        self._db.stop = 1
+        if self._thread.is_alive():
+            self._thread.join()
+
+
 class CpuExpertExecutor:
     """Runs routed experts in place on the host expert pool with a pinned C thread pool.
 

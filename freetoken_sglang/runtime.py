@@ -357,6 +357,7 @@ class FreeTokenRuntime:
             self.top_k,
             self.act_dtype,
             max_rows=rows,
+            mode=self.config.cpu_branch,
         )
         if name == "qstar":
             self.bandwidth = bandwidth.resolve(

@@ -1938,6 +1938,45 @@ int ft_executor_run(ft_executor *ex, const void *x, int32_t x_dtype, int64_t x_r
     return t.status;
 }
 
+static int64_t now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+void ft_doorbell_serve(ft_doorbell *db) {
+    if (!db || !db->task || !db->ring || !db->done || !db->n_rows_ptr) return;
+    int64_t last = *db->done;
+    int64_t idle_since = now_us();
+    for (;;) {
+        int64_t seq = *db->ring;
+        if (seq != last) {
+            /* the GPU wrote the inputs before the ring (system-scope fence): read after it */
+            atomic_thread_fence(memory_order_acquire);
+            db->task->n_rows = *db->n_rows_ptr;
+            ft_cpu_moe_run(db->task);
+            if (db->task->status != FT_OK && db->status == FT_OK) {
+                db->status = db->task->status;
+                db->error_index = db->task->error_index;
+            }
+            db->served++;
+            atomic_thread_fence(memory_order_release); /* the partial before done */
+            *db->done = seq;
+            last = seq;
+            idle_since = now_us();
+            continue;
+        }
+        if (db->stop) return;
+        if (now_us() - idle_since < db->spin_us) {
+#if FT_X86
+            _mm_pause();
+#endif
+        } else {
+            usleep(db->sleep_us > 0 ? (useconds_t)db->sleep_us : 50);
+        }
+    }
+}
+
 uint64_t ft_executor_stream_read(ft_executor *ex, const void *buf, size_t nbytes) {
     if (!ex || !buf) return 0;
     pthread_mutex_lock(&ex->run_lock);

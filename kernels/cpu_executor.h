@@ -176,6 +176,27 @@ int ft_executor_run(ft_executor *ex, const void *x, int32_t x_dtype, int64_t x_r
                     const float *weights, int32_t n_items, float *out,
                     int64_t out_row_stride, int32_t flags, int32_t *error_index);
 
+/* A doorbell in mapped host memory, so that the GPU starts CPU work without a host-function
+ * node (paper §3.2's CPU branch; a layer call without CPU items then costs the GPU nothing
+ * but two small kernels). The GPU writes the task's inputs (x, items, *n_items_ptr,
+ * *n_rows_ptr), then stores a new sequence number into *ring (system-scope release); the
+ * serving thread runs the task and stores the same number into *done, which the GPU waits
+ * for before merging. One call is outstanding at a time. */
+typedef struct ft_doorbell {
+    ft_moe_task *task;          /* the call's inputs and output; n_rows is set per call */
+    const volatile int32_t *n_rows_ptr; /* token rows of the call, written by the GPU */
+    const volatile int64_t *ring;       /* sequence number of the last posted call */
+    volatile int64_t *done;     /* sequence number of the last served call */
+    volatile int32_t stop;      /* nonzero: ft_doorbell_serve returns */
+    int32_t spin_us;            /* busy-poll this long after the last call ... */
+    int32_t sleep_us;           /* ... then poll every sleep_us microseconds */
+    int32_t status;             /* first failing run's FT_ERR_* code, or FT_OK */
+    int32_t error_index;        /* its offending item */
+    int64_t served;             /* calls served */
+} ft_doorbell;
+/* Serve the doorbell until db->stop is set (call it on a thread of its own). */
+void ft_doorbell_serve(ft_doorbell *db);
+
 /* STREAM-like read: every compute thread reads its share of buf[0:nbytes] with the
  * executor's kernel path. Returns the sum (mod 2^64) of the buffer's 64-bit little-endian
  * words plus each byte of a final partial word, so that the reads cannot be elided. */

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from freetoken_sglang.cpu_executor import (
     ISAS,
     CpuExpertExecutor,
+    Doorbell,
     IsaNotSupportedError,
 )
 
@@ -610,3 +611,68 @@ def test_missing_module_import_error_says_how_to_build():
     assert "not built" in res.stdout
     assert "pip install" in res.stdout and "compiler" in res.stdout
     assert "_cpu_executor_build.py" in res.stdout
+
+
+def test_doorbell_serves_each_rung_call_once_and_nothing_else():
+    """The doorbell thread (what the GPU rings in the CPU branch) runs the task exactly when
+    the ring moves, with the rows and item count written before it, and then sets done."""
+    gen = torch.Generator().manual_seed(3)
+    banks = make_banks(gen, 6, 48, 40, torch.float32)
+    x = torch.randn(4, 48, generator=gen)
+    rows = torch.zeros(8, dtype=torch.int32)
+    experts = torch.zeros(8, dtype=torch.int32)
+    weights = torch.zeros(8)
+    count = torch.zeros(1, dtype=torch.int32)
+    out = torch.full((4, 48), 7.0)
+    hdr = torch.zeros(24, dtype=torch.int64)  # ring [0], done [8], n_rows [16]
+    n_rows = hdr[16:17].view(torch.int32)
+    with CpuExpertExecutor(banks) as ex:
+        task = ex.make_task(x_ptr=x.data_ptr(), x_dtype=x.dtype, n_rows=1,
+                            rows_ptr=rows.data_ptr(), experts_ptr=experts.data_ptr(),
+                            weights_ptr=weights.data_ptr(), out_ptr=out.data_ptr(),
+                            n_items_ptr=count.data_ptr(), zero_output=True)
+        bell = Doorbell(task, n_rows.data_ptr(), hdr[0:1].data_ptr(), hdr[8:9].data_ptr(),
+                        spin_us=100, sleep_us=20)
+        try:
+            time.sleep(0.05)
+            assert bell.served == 0 and torch.all(out == 7.0)  # nothing rung, nothing run
+            for seq, T in enumerate([3, 4, 1], start=1):
+                r, e, w = route(gen, T, 2, 2, 3)
+                n = r.numel()
+                rows[:n], experts[:n], weights[:n] = r, e, w
+                count[0], n_rows[0] = n, T
+                hdr[0] = seq
+                deadline = time.monotonic() + 10
+                while int(hdr[8]) != seq and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                assert int(hdr[8]) == seq and bell.served == seq
+                want = reference(banks, x[:T], r, e, w)
+                assert rel_err(out[:T], want) < 1e-6
+                if T < 4:
+                    assert torch.all(out[T:] == 7.0)  # rows past n_rows untouched
+                out.fill_(7.0)
+            time.sleep(0.05)
+            assert bell.served == 3 and bell.status == 0
+        finally:
+            bell.stop()
+        assert not bell._thread.is_alive()
+
+
+def test_cpu_branch_on_the_cpu_runs_the_executor_only_for_calls_with_items():
+    from freetoken_sglang.cache.residency import CpuWork
+    from freetoken_sglang.cpu_branch import CpuBranch
+
+    gen = torch.Generator().manual_seed(4)
+    banks = make_banks(gen, 6, 48, 40, torch.float32)
+    x = torch.randn(3, 48, generator=gen)
+    r, e, w = route(gen, 3, 2, 2, 3)
+    with CpuExpertExecutor(banks) as ex:
+        branch = CpuBranch(ex, torch.device("cpu"), 48, 2, torch.float32)
+        for n in (0, 6, 0, 3):
+            work = CpuWork(r, e, w, torch.tensor([n], dtype=torch.int32))
+            before = branch.calls
+            branch.launch(x, work)
+            got = branch.merge(torch.ones(3, 48))
+            assert branch.calls == before + (n > 0)
+            want = 1 + reference(banks, x, r[:n], e[:n], w[:n]) if n else torch.ones(3, 48)
+            assert rel_err(got, want) < 1e-6 if n else torch.equal(got, want)

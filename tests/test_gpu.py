@@ -209,7 +209,7 @@ def test_moe_on_slots_is_bit_identical_to_stock(num_tokens, published_server_arg
 
 
 def test_cpu_branch_host_function_in_a_cuda_graph():
-    """The CPU branch runs the C executor from a host-function node: eagerly and replayed
+    """The host-node CPU branch runs the C executor from a host-function node: eagerly and replayed
     from a captured graph, with the same result as a direct call."""
     from freetoken_sglang.cpu_branch import CpuBranch
     from freetoken_sglang.cpu_executor import CpuExpertExecutor
@@ -221,7 +221,8 @@ def test_cpu_branch_host_function_in_a_cuda_graph():
     for bank in pool.banks.values():
         bank.copy_((torch.randn(bank.shape) * 0.05).to(bank.dtype))
     with CpuExpertExecutor(pool.banks, num_threads=4) as ex:
-        branch = CpuBranch(ex, torch.device("cuda"), H, k, torch.bfloat16, max_rows=4)
+        branch = CpuBranch(ex, torch.device("cuda"), H, k, torch.bfloat16, max_rows=4,
+                           mode="host-node")
         x = torch.randn(3, H, device="cuda", dtype=torch.bfloat16)
         work = CpuWork(
             rows=torch.tensor([0, 2, 2, 0, 0, 0], dtype=torch.int32, device="cuda"),
@@ -248,3 +249,72 @@ def test_cpu_branch_host_function_in_a_cuda_graph():
         want2 = torch.zeros(3, H, dtype=torch.float32)
         ex.run(x.cpu(), work.rows[:3].cpu(), work.experts[:3].cpu(), work.weights[:3].cpu(), want2)
         torch.testing.assert_close(res.cpu(), want2)
+
+
+def test_cpu_branch_doorbell_runs_only_with_cpu_items():
+    """The doorbell branch (the default): eagerly and replayed from a captured graph, a call
+    with CPU items is served once and its partial merged exactly (fp32, and into bf16 as
+    ``add_`` rounds); a call without items is not served and leaves the output untouched."""
+    from freetoken_sglang.cpu_branch import CpuBranch
+    from freetoken_sglang.cpu_executor import CpuExpertExecutor
+    from freetoken_sglang.pool import HostExpertPool, bank_specs_for_layer
+    from freetoken_sglang.cache.residency import CpuWork
+
+    H, I, k, T = 2048, 128, 2, 3
+    pool = HostExpertPool([0], 8, bank_specs_for_layer(H, I, torch.bfloat16))
+    for bank in pool.banks.values():
+        bank.copy_((torch.randn(bank.shape) * 0.05).to(bank.dtype))
+    with CpuExpertExecutor(pool.banks, num_threads=4) as ex:
+        branch = CpuBranch(ex, torch.device("cuda"), H, k, torch.bfloat16, max_rows=4)
+        assert branch.mode == "doorbell" and branch.doorbell is not None
+        try:
+            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+            work = CpuWork(
+                rows=torch.tensor([0, 2, 2, 0, 0, 0], dtype=torch.int32, device="cuda"),
+                experts=torch.tensor([5, 1, 7, 0, 0, 0], dtype=torch.int32, device="cuda"),
+                weights=torch.tensor([0.5, 0.25, 1.0, 0, 0, 0], device="cuda"),
+                count=torch.tensor([3], dtype=torch.int32, device="cuda"),
+            )
+
+            def want_of(x):
+                want = torch.zeros(T, H, dtype=torch.float32)
+                ex.run(x.cpu(), work.rows[:3].cpu(), work.experts[:3].cpu(),
+                       work.weights[:3].cpu(), want)
+                return want
+
+            base = torch.randn(T, H, device="cuda", dtype=torch.float32)
+            branch.launch(x, work)
+            got = branch.merge(base.clone())
+            torch.cuda.synchronize()
+            torch.testing.assert_close(got.cpu(), base.cpu() + want_of(x), rtol=0, atol=0)
+            assert branch.doorbell.served == 1
+            work.count.zero_()
+            branch.launch(x, work)
+            got = branch.merge(base.clone())
+            torch.cuda.synchronize()
+            assert torch.equal(got, base) and branch.doorbell.served == 1
+            # captured into a graph, into a bf16 output; replays alternate with and without items
+            g = torch.cuda.CUDAGraph()
+            static = torch.zeros(T, H, device="cuda", dtype=torch.bfloat16)
+            with torch.cuda.graph(g):
+                branch.launch(x, work)
+                branch.merge(static)
+            served = branch.doorbell.served
+            for i in range(40):
+                with_items = i % 3 != 1
+                work.count.fill_(3 if with_items else 0)
+                x.copy_(torch.randn(T, H, device="cuda", dtype=torch.bfloat16))
+                start = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+                static.copy_(start)
+                g.replay()
+                torch.cuda.synchronize()
+                if with_items:
+                    served += 1
+                    want = start.float().cpu().add_(want_of(x)).to(torch.bfloat16)
+                    assert torch.equal(static.cpu(), want), i
+                else:
+                    assert torch.equal(static, start), i
+                assert branch.doorbell.served == served, i
+            branch.check()
+        finally:
+            branch.close()
