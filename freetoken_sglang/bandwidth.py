@@ -201,8 +201,8 @@ def measure_fill_fixed(
 ) -> float:
     """F_P in us: the intercept of a layer call's fill time over its expert count, fills of
     ``sizes`` random experts through the cache's own fill path (median of ``repeats``; on
-    CUDA timed by events on the stream, so the host's launch latency is left out, as under a
-    captured graph)."""
+    CUDA the fill is captured in a CUDA graph and its replays timed by events, so the host's
+    Triton launch latency is left out, as in the serving graphs)."""
     from freetoken_sglang.cache.fills import Filler
     from freetoken_sglang.cache.residency import FillPlan
 
@@ -219,15 +219,24 @@ def measure_fill_fixed(
     for n in sizes:
         n = min(n, rows)
         samples = []
+        plan = FillPlan(torch.zeros(n, dtype=torch.int32, device=device),
+                        torch.arange(n, dtype=torch.int32).to(device),
+                        torch.tensor([n], dtype=torch.int32).to(device))
+        graph = None
+        if cuda:
+            plan.src.copy_(torch.tensor(rng.sample(range(rows), n), dtype=torch.int32))
+            filler.run(plan)  # compiles
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                filler.run(plan)
         for i in range(repeats + 1):
-            src = torch.tensor(rng.sample(range(rows), n), dtype=torch.int32).to(device)
-            plan = FillPlan(src, torch.arange(n, dtype=torch.int32).to(device),
-                            torch.tensor([n], dtype=torch.int32).to(device))
+            plan.src.copy_(torch.tensor(rng.sample(range(rows), n), dtype=torch.int32))
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
                     enable_timing=True)
                 start.record()
-                filler.run(plan)
+                graph.replay()
                 end.record()
                 end.synchronize()
                 dt = start.elapsed_time(end) * 1e3
@@ -245,8 +254,8 @@ def measure_executor_fixed(executor, hidden: int, dtype: torch.dtype,
                            sizes: Tuple[int, int] = (1, 4), repeats: int = 30) -> float:
     """F_H in us: the intercept of a one-token CPU executor call's time over its expert
     count (``sizes`` random experts, median of ``repeats``): the workers' start and join.
-    The CPU branch's host-node round trip is not in it: it runs on every layer call under
-    the qstar policy, with work or without, so it does not depend on the split."""
+    The CPU branch's own hand-off is not in it: the doorbell's PCIe round trip is a few us,
+    and the host-node mechanism runs on every layer call, with work or without."""
     rng = random.Random(3)
     n_experts = executor.num_experts
     x = torch.randn(1, hidden).to(dtype)
