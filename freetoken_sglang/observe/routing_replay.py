@@ -66,14 +66,23 @@ class RoutingReplay:
             device=device, dtype=torch.int32)
         self.cursor = torch.zeros(1, dtype=torch.int64, device=device)
         self.rows_used = 0  # host count of the rows consumed (stats)
+        self._gathered = None  # [L_trace, T, k] ids of the forward in progress
 
     def ids_for(self, ordinal: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """The replayed ids ``[T, k]`` (dtype of ``topk_ids``) of MoE layer ``ordinal`` for
         a call shaped like ``topk_ids``: rows ``cursor .. cursor + T - 1`` (cyclic)."""
         t = topk_ids.shape[0]
-        rows = torch.remainder(
-            self.cursor + torch.arange(t, device=topk_ids.device), self.num_rows)
-        return self.table[self.layers[ordinal]].index_select(0, rows).to(topk_ids.dtype)
+        g = self._gathered
+        if ordinal == 0 or g is None or g.shape[1] != t or g.dtype != topk_ids.dtype:
+            # once per forward (at its first MoE layer): every trace layer's rows, so that
+            # the other layers take a view and launch nothing
+            rows = torch.remainder(
+                self.cursor + torch.arange(t, device=topk_ids.device), self.num_rows)
+            table = self.table if self.table.dtype == topk_ids.dtype else self.table.to(
+                topk_ids.dtype)
+            self.table = table
+            g = self._gathered = table.index_select(1, rows)
+        return g[self.layers[ordinal]]
 
     def advance(self, num_tokens: int) -> None:
         """After a forward of ``num_tokens`` real rows (no host sync)."""
