@@ -214,6 +214,7 @@ def run_system(label, model_path, flags, args, sampler, log_dir) -> Dict[str, ob
                 "decode": s.get("decode"),
                 "cache_slots": s["cache"]["slots"],
                 "pool_experts": s["pool"]["experts"],
+                "expert_bytes": s["pool"].get("expert_bytes"),
                 "miss_policy": s.get("miss_policy"),
                 "bandwidth": s.get("bandwidth"),
                 "load": s["load"],
@@ -274,6 +275,60 @@ def table(results: List[Dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def roofline(results: List[Dict[str, object]], new_tokens: int, repeats: int,
+             expert_bytes: float, bandwidth: Optional[dict] = None) -> str:
+    """Markdown table of each ``--cache-ratios`` cell against its roofline bound (issue 14):
+    the all-hit step time (the same system's cell at ratio 1.0) plus the step's missed bytes
+    over max(B_P, B_H). Steps per window: ``repeats * (new_tokens - 1)`` at batch 1 and
+    ``new_tokens - 1`` at batch 4 (the first token of a request comes from its prefill).
+    B_P, B_H: the system's own measurement, else ``bandwidth`` (another system's)."""
+    lines = ["| system | cache | bs1 tok/s | bs1 bound | bs1 / bound | bs4 tok/s | bs4 bound "
+             "| bs4 / bound |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        cells = {c["ratio"]: c for c in r.get("by_ratio") or [] if c.get("resize_status") == 200}
+        full = cells.get(1.0)
+        bw = ((r.get("freetoken") or {}).get("bandwidth") or bandwidth)
+        if not full or not bw:
+            continue
+        b = max(bw["B_P"], bw["B_H"]) * 1e9
+        for ratio, c in sorted(cells.items(), reverse=True):
+            row = [r["label"], f"{ratio:g}"]
+            for key, rate, steps, per_step in (
+                    ("bs1_decode_counts", "bs1_decode_tok_s", repeats * (new_tokens - 1), 1),
+                    ("bs4_decode_counts", "bs4_total_tok_s", new_tokens - 1, 4)):
+                w, got, t_hit = c.get(key), c.get(rate), full.get(rate)
+                if not w or not got or not t_hit:
+                    row += ["-", "-", "-"]
+                    continue
+                t_step = per_step / t_hit + (w["reads"] - w["hits"]) / steps * expert_bytes / b
+                bound = per_step / t_step
+                row += [f"{got:.2f}", f"{bound:.2f}", f"{got / bound:.3f}"]
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def report(paths: List[str]) -> None:
+    """Print the tables of one or more ``bench_decode.json`` files, systems in order (the
+    first file's first system is the ratios' base)."""
+    results, args = [], None
+    for path in paths:
+        with open(path) as f:
+            doc = json.load(f)
+        results += doc["results"]
+        args = args or doc["args"]
+    print(table(results))
+    bw = next(((r.get("freetoken") or {}).get("bandwidth") for r in results
+               if (r.get("freetoken") or {}).get("bandwidth")), None)
+    eb = next(((r.get("freetoken") or {}).get("expert_bytes") for r in results
+               if (r.get("freetoken") or {}).get("expert_bytes")), None)
+    if eb is None:
+        c = SHAPES[args["shape"]]  # (older files) a BF16 gated expert: 3 * H * I * 2 bytes
+        eb = 3 * c["hidden_size"] * c["moe_intermediate_size"] * 2
+    if eb and bw:
+        print()
+        print(roofline(results, args["new_tokens"], args["repeats"], eb, bw))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
@@ -297,6 +352,15 @@ def main(argv=None):
                          "the cache to each in turn (POST /freetoken/cache) and measure there; "
                          "give them in decreasing order so that every resize is a shrink")
     ap.add_argument("--out-dir", default=tempfile.mkdtemp(prefix="ft-bench-"))
+    ap.add_argument("--report", nargs="+", default=None, metavar="JSON",
+                    help="print the tables (and the roofline table) of these bench_decode.json "
+                         "files and exit; --system is then not needed")
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--report" in argv:
+        i = argv.index("--report")
+        report([p for p in argv[i + 1:] if not p.startswith("--")])
+        return
     a = ap.parse_args(argv)
     if a.max_request_s is not None and not (math.isfinite(a.max_request_s) and a.max_request_s > 0):
         raise SystemExit(f"--max-request-s must be a positive number of seconds, not {a.max_request_s}")
@@ -320,6 +384,9 @@ def main(argv=None):
     print(table(results))
     with open(os.path.join(a.out_dir, "bench_decode.md"), "w") as f:
         f.write(table(results) + "\n")
+    if a.cache_ratios:
+        print()
+        report([os.path.join(a.out_dir, "bench_decode.json")])
 
 
 if __name__ == "__main__":
