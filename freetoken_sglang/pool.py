@@ -234,7 +234,8 @@ class HostExpertPool:
     def _uva_view(bank: torch.Tensor) -> torch.Tensor:
         """A CUDA tensor aliasing the pinned host bank (device reads go over PCIe)."""
         raw, typestr = {
-            1: (torch.uint8, "|u1"), 2: (torch.int16, "<i2"), 4: (torch.int32, "<i4")
+            1: (torch.uint8, "|u1"), 2: (torch.int16, "<i2"), 4: (torch.int32, "<i4"),
+            8: (torch.int64, "<i8"),
         }[bank.element_size()]
         raw = bank.view(raw)
         alias = torch.as_tensor(

@@ -57,7 +57,7 @@ def _wait_merge_kernel(out_ptr, out_stride, count_ptr, seq_ptr, done_ptr, part_p
         hb = tl.program_id(1)
         seq = tl.load(seq_ptr)
         d = tl.load(done_ptr, volatile=True)
-        spins = 0
+        spins = max_spins * 0  # (an int32 tensor: Triton's loop-carried types must not change)
         while (d != seq) & (spins < max_spins):
             d = tl.load(done_ptr, volatile=True)
             spins += 1
@@ -69,7 +69,7 @@ def _wait_merge_kernel(out_ptr, out_stride, count_ptr, seq_ptr, done_ptr, part_p
             p = tl.load(part_ptr + r * H + offs + f * 0, mask=m, volatile=True)
             o = tl.load(out_ptr + r * out_stride + offs, mask=m).to(tl.float32)
             tl.store(out_ptr + r * out_stride + offs, (o + p).to(out_ptr.dtype.element_ty),
-                     mask=m)
+                     mask=m)  # (round to nearest even, as torch's add_)
         else:
             tl.store(status_ptr, 1)  # the executor did not answer: raised by CpuBranch.check
 
