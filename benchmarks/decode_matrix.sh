@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# The miss-policy decode matrix on the Qwen3-30B-A3B shape (dummy weights): stock SGLang and
-# FreeToken at each cache ratio x miss policy, batch 1 and 4, side by side (bench_decode.py).
-# B_P/B_H are measured by the first qstar server and cached for the others.
-#   bash benchmarks/decode_matrix.sh OUT_DIR "0.10 0.25 0.50" [--no-stock]
-# Each server loads the 54 GiB pool (about a minute with start-up): split the ratios over
-# calls to stay within a 10-minute GPU call. NEW_TOKENS (default 64) tokens per request.
+# The miss-policy decode matrix on the Qwen3-30B-A3B shape (dummy weights), side by side
+# (bench_decode.py): stock SGLang, then one FreeToken server per miss policy that starts with
+# the whole pool resident and is resized (POST /freetoken/cache) to each ratio in turn.
+#   bash benchmarks/decode_matrix.sh OUT_DIR [RATIOS] [TRACE.npz] [POLICIES]
+# RATIOS: decreasing, comma-separated (default 1.0,0.5,0.25,0.1). TRACE: replay a routing
+# trace's decode rows into the MoE layers (--freetoken-replay-routing; e.g. the trained router's
+# benchmarks/results/h200-2026-12-03-s14/train/tr/trace_W4.npz). POLICIES: default
+# "fill qstar cpu". NO_STOCK=1 leaves stock out. Each server takes 1.5-3 minutes to start on a
+# fresh machine plus about 30 s per ratio: split the policies over calls of 10 minutes.
 set -euo pipefail
-out=${1:?usage: decode_matrix.sh OUT_DIR "RATIOS" [--no-stock]}
-ratios=${2:-0.25}
+out=${1:?usage: decode_matrix.sh OUT_DIR [RATIOS] [TRACE.npz] [POLICIES]}
+ratios=${2:-1.0,0.5,0.25,0.1}
+trace=${3:-}
+policies=${4:-fill qstar cpu}
+replay=""
+[ -n "$trace" ] && replay=",--freetoken-replay-routing,$trace,--freetoken-replay-phase,decode"
 systems=()
-[ "${3:-}" = "--no-stock" ] || systems+=(--system stock:)
-for r in $ratios; do
-  for p in fill cpu qstar; do
-    systems+=(--system "ft-${r}-${p}:--enable-freetoken,--freetoken-cache-ratio,${r},--freetoken-miss-policy,${p}")
-  done
+[ "${NO_STOCK:-0}" = 1 ] || systems+=(--system stock:)
+for p in $policies; do
+  systems+=(--system "ft-${p}:--enable-freetoken,--freetoken-cache-ratio,1.0,--freetoken-miss-policy,${p}${replay}")
 done
-exec python3 "$(dirname "$0")/bench_decode.py" --new-tokens "${NEW_TOKENS:-64}" --repeats 2 --out-dir "$out" "${systems[@]}"
+exec python3 "$(dirname "$0")/bench_decode.py" --new-tokens "${NEW_TOKENS:-64}" --repeats 2 --max-bs 4 \
+  --cache-ratios "$ratios" --out-dir "$out" "${systems[@]}"
