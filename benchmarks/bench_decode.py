@@ -333,7 +333,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     ap.add_argument(
-        "--system", action="append", required=True,
+        "--system", action="append", default=None,
         help="LABEL:FLAG,FLAG,... (comma-separated extra launch_server flags)",
     )
     ap.add_argument("--input-len", type=int, default=128)
@@ -355,13 +355,12 @@ def main(argv=None):
     ap.add_argument("--report", nargs="+", default=None, metavar="JSON",
                     help="print the tables (and the roofline table) of these bench_decode.json "
                          "files and exit; --system is then not needed")
-    if argv is None:
-        argv = sys.argv[1:]
-    if "--report" in argv:
-        i = argv.index("--report")
-        report([p for p in argv[i + 1:] if not p.startswith("--")])
-        return
     a = ap.parse_args(argv)
+    if a.report:
+        report(a.report)
+        return
+    if not a.system:
+        ap.error("--system is required (or --report JSON...)")
     if a.max_request_s is not None and not (math.isfinite(a.max_request_s) and a.max_request_s > 0):
         raise SystemExit(f"--max-request-s must be a positive number of seconds, not {a.max_request_s}")
     os.makedirs(a.out_dir, exist_ok=True)

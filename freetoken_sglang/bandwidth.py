@@ -254,8 +254,8 @@ def measure_executor_fixed(executor, hidden: int, dtype: torch.dtype,
                            sizes: Tuple[int, int] = (1, 4), repeats: int = 30) -> float:
     """F_H in us: the intercept of a one-token CPU executor call's time over its expert
     count (``sizes`` random experts, median of ``repeats``): the workers' start and join.
-    The CPU branch's own hand-off is not in it: the doorbell's PCIe round trip is a few us,
-    and the host-node mechanism runs on every layer call, with work or without."""
+    The CPU branch's own hand-off is not in it (the doorbell's round trip is not measured;
+    the host-node mechanism runs on every layer call, with work or without)."""
     rng = random.Random(3)
     n_experts = executor.num_experts
     x = torch.randn(1, hidden).to(dtype)

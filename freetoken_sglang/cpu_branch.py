@@ -73,6 +73,7 @@ class CpuBranch:
         self.mode = mode
         self.doorbell = None
         self.calls = 0  # CPU-device runs of the executor (tests: skipped without items)
+        self.closed = False
         self.executor = executor
         self.device = torch.device(device)
         self.hidden_size = hidden_size
@@ -95,7 +96,8 @@ class CpuBranch:
         from freetoken_sglang.pool import HostExpertPool
 
         uva = HostExpertPool._uva_view
-        # int64 words: ring [0], done [8], n_rows [16] and status [20] (int32): separate lines
+        # int64 words: ring [0] and done [8] on lines of their own; n_rows [16] and status
+        # [20] (int32), both written by the GPU, share one
         self.hdr_host = torch.zeros(24, dtype=torch.int64, device="cpu", pin_memory=True)
         self.nrows_host = self.hdr_host[16:17].view(torch.int32)[:1]
         self.seq_dev = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -116,12 +118,17 @@ class CpuBranch:
         self.doorbell = Doorbell(self._door_task, self.nrows_host.data_ptr(),
                                  self.hdr_host[0:1].data_ptr(), self.hdr_host[8:9].data_ptr())
         self._count = None
+        import atexit
+
+        atexit.register(self.close)  # the thread stops before CUDA frees the pinned buffers
 
     def close(self) -> None:
-        """Stop the doorbell's serving thread (before the executor is closed)."""
+        """Stop the doorbell's serving thread (before the executor is closed); the branch
+        refuses later calls."""
         if self.doorbell is not None:
             self.doorbell.stop()
             self.doorbell = None
+            self.closed = True
 
     def _allocate(self, rows: int) -> None:
         H, n = self.hidden_size, rows * self.top_k
@@ -132,7 +139,8 @@ class CpuBranch:
         self.weights_host = torch.zeros(n, dtype=torch.float32, **pinned)
         self.count_host = torch.zeros(1, dtype=torch.int32, **pinned)
         self.out_host = torch.zeros(rows, H, dtype=torch.float32, **pinned)
-        self.out_dev = torch.zeros(rows, H, dtype=torch.float32, device=self.device)
+        if self.mode == "host-node":  # the doorbell's merge reads out_host in place
+            self.out_dev = torch.zeros(rows, H, dtype=torch.float32, device=self.device)
 
     def _task(self, rows: int):
         task = self.tasks.get(rows)
@@ -172,6 +180,8 @@ class CpuBranch:
                 f"FreeToken CPU branch: a layer call of {rows} rows, more than the "
                 f"{self.max_rows} rows its buffers were sized for at start"
             )
+        if self.closed:
+            raise RuntimeError("FreeToken CPU branch: used after close()")
         if self.doorbell is not None:
             from freetoken_sglang.kernels import doorbell
 
@@ -215,8 +225,9 @@ class CpuBranch:
         return gpu_out
 
     def check(self) -> None:
-        """Raise if a host-function run failed (its output was zeroed, so the step's result
-        lacks that layer's CPU experts). Call off the hot path, e.g. after each step.
+        """Raise if a CPU executor run failed (its output was zeroed, so the step's result
+        lacks that layer's CPU experts), or a merge gave up waiting for the doorbell thread.
+        Call off the hot path, e.g. after each step.
 
         Raises:
             RuntimeError: naming the C error and the offending work item.

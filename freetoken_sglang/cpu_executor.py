@@ -304,6 +304,10 @@ class Doorbell:
         task: the :class:`CpuMoeTask` to run (its ``n_rows`` is overwritten per call).
         n_rows_ptr: address of an int32; ring_ptr, done_ptr: addresses of int64s (pinned host
             memory, on separate cache lines).
+        spin_us: busy-poll this many microseconds after each call (default 2000).
+        sleep_us: then poll every this many microseconds (default 50).
+
+    Stop it (:meth:`stop`) before the executor is closed: the thread calls into it.
     """
 
     def __init__(self, task: "CpuMoeTask", n_rows_ptr: int, ring_ptr: int, done_ptr: int,
@@ -334,6 +338,7 @@ class Doorbell:
 
     @property
     def error_index(self) -> int:
+        """The item that made the first failed run fail, or 0."""
         return int(self._db.error_index)
 
     def stop(self) -> None:

@@ -357,7 +357,9 @@ class FreeTokenRuntime:
             self.top_k,
             self.act_dtype,
             max_rows=rows,
-            mode=self.config.cpu_branch,
+            # the CPU backend hands whole prefill chunks to the executor: the copy engine's
+            # staging copies suit them, the doorbell's one-CTA post kernel does not
+            mode="host-node" if self.backend == "cpu" else self.config.cpu_branch,
         )
         if name == "qstar":
             self.bandwidth = bandwidth.resolve(

@@ -24,7 +24,7 @@ def _fence_sys(x):
 @triton.jit
 def _post_kernel(x_ptr, x_stride, rows_ptr, experts_ptr, weights_ptr, count_ptr, seq_ptr,
                  hx_ptr, hrows_ptr, hexperts_ptr, hweights_ptr, hcount_ptr, hnrows_ptr,
-                 ring_ptr, n_rows, H: tl.constexpr, N_ITEMS: tl.constexpr,
+                 ring_ptr, n_rows, n_items, H: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
     count = tl.load(count_ptr)
     if count > 0:
@@ -35,10 +35,13 @@ def _post_kernel(x_ptr, x_stride, rows_ptr, experts_ptr, weights_ptr, count_ptr,
                 v = tl.load(x_ptr + r * x_stride + h0 + offs_h, mask=m)
                 tl.store(hx_ptr + r * H + h0 + offs_h, v, mask=m)
         offs_i = tl.arange(0, BLOCK_I)
-        mi = offs_i < N_ITEMS
-        tl.store(hrows_ptr + offs_i, tl.load(rows_ptr + offs_i, mask=mi), mask=mi)
-        tl.store(hexperts_ptr + offs_i, tl.load(experts_ptr + offs_i, mask=mi), mask=mi)
-        tl.store(hweights_ptr + offs_i, tl.load(weights_ptr + offs_i, mask=mi), mask=mi)
+        for i0 in range(0, n_items, BLOCK_I):
+            mi = i0 + offs_i < n_items
+            tl.store(hrows_ptr + i0 + offs_i, tl.load(rows_ptr + i0 + offs_i, mask=mi), mask=mi)
+            tl.store(hexperts_ptr + i0 + offs_i, tl.load(experts_ptr + i0 + offs_i, mask=mi),
+                     mask=mi)
+            tl.store(hweights_ptr + i0 + offs_i, tl.load(weights_ptr + i0 + offs_i, mask=mi),
+                     mask=mi)
         tl.store(hcount_ptr, count)
         tl.store(hnrows_ptr, n_rows)
         seq = tl.load(seq_ptr) + 1
@@ -85,15 +88,24 @@ def post(x: torch.Tensor, rows, experts, weights, count, seq, host: dict) -> Non
         host: UVA aliases of the mapped host buffers: ``x`` ``[max_rows, H]``, ``rows``,
             ``experts``, ``weights``, ``count``, ``n_rows`` (int32 ``[1]``), ``ring``
             (int64 ``[1]``).
+
+    Raises:
+        ValueError: ``x`` or the items do not fit the host buffers, ``x``'s rows are not
+            contiguous, or ``count`` is not int32.
     """
     T, H = x.shape
     n = rows.numel()
+    if x.stride(1) != 1 or count.dtype != torch.int32 or T > host["x"].shape[0] \
+            or n > host["rows"].numel():
+        raise ValueError(
+            f"doorbell.post: x [{T}, {H}] (stride {x.stride()}), {n} items and a {count.dtype} "
+            f"count do not fit the branch's buffers ({host['x'].shape[0]} rows, "
+            f"{host['rows'].numel()} items, int32 count, rows of stride 1)")
     _post_kernel[(1,)](
         x, x.stride(0), rows, experts, weights, count, seq,
         host["x"], host["rows"], host["experts"], host["weights"], host["count"],
-        host["n_rows"], host["ring"], T, H=H, N_ITEMS=n,
-        BLOCK_H=min(4096, triton.next_power_of_2(H)), BLOCK_I=triton.next_power_of_2(max(n, 1)),
-        num_warps=8,
+        host["n_rows"], host["ring"], T, n, H=H,
+        BLOCK_H=min(4096, triton.next_power_of_2(H)), BLOCK_I=512, num_warps=8,
     )
 
 
@@ -101,8 +113,10 @@ def wait_merge(out: torch.Tensor, count, seq, done, partial, status,
                max_spins: int = 1 << 24) -> None:
     """Wait until the executor has served the call posted last (``done == seq``), then add its
     fp32 partial ``[T, H]`` (UVA alias of host memory) to ``out`` ``[T, H]`` in place, computing
-    in fp32; nothing when ``count[0] == 0``. After ``max_spins`` polls without an answer it
-    sets ``status[0] = 1`` and leaves ``out`` unchanged."""
+    in fp32; nothing when ``count[0] == 0``. After ``max_spins`` polls of ``done`` without an
+    answer (2^24 by default: each is a PCIe read of about 1 us, so some 15-30 s) it sets
+    ``status[0] = 1`` and leaves ``out`` unchanged; ``CpuBranch.check`` raises on it after the
+    step."""
     T, H = out.shape
     block = min(1024, triton.next_power_of_2(H))
     _wait_merge_kernel[(T, triton.cdiv(H, block))](

@@ -43,6 +43,7 @@ def test_cli_flags_parse_into_config():
         ["--freetoken-bandwidth", "55"],
         ["--freetoken-bandwidth", "55,-1"],
         ["--freetoken-admission", "lfu"],
+        ["--freetoken-cpu-branch", "event"],
         ["--freetoken-cpu-threads", "0"],
     ],
 )
@@ -87,6 +88,9 @@ def test_miss_policy_flags():
         ({"freetoken_backend": "cpu", "freetoken_admission": "reuse"},
          "--freetoken-admission has no effect with --freetoken-backend cpu"),
         ({"freetoken_cpu_threads": 4}, "--freetoken-cpu-threads is used only when"),
+        ({"freetoken_cpu_branch": "host-node"}, "--freetoken-cpu-branch is used only by"),
+        ({"freetoken_backend": "cpu", "freetoken_cpu_branch": "host-node"},
+         "--freetoken-cpu-branch has no effect with --freetoken-backend cpu"),
         ({"freetoken_cache_slots": 8, "freetoken_kv_reserve_gb": 4},
          "applies only without a cache-size flag"),
         ({"freetoken_prefill": "lru", "freetoken_stream_min_tokens": 64},

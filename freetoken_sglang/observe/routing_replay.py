@@ -87,6 +87,7 @@ class RoutingReplay:
     def advance(self, num_tokens: int) -> None:
         """After a forward of ``num_tokens`` real rows (no host sync)."""
         self.cursor.add_(num_tokens)
+        self._gathered = None  # the next forward gathers its own rows
         self.rows_used += num_tokens
 
     def reset(self) -> None:
