@@ -117,7 +117,6 @@ class CpuBranch:
         )
         self.doorbell = Doorbell(self._door_task, self.nrows_host.data_ptr(),
                                  self.hdr_host[0:1].data_ptr(), self.hdr_host[8:9].data_ptr())
-        self._count = None
         import atexit
 
         atexit.register(self.close)  # the thread stops before CUDA frees the pinned buffers

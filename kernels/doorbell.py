@@ -53,7 +53,7 @@ def _post_kernel(x_ptr, x_stride, rows_ptr, experts_ptr, weights_ptr, count_ptr,
 
 @triton.jit
 def _wait_merge_kernel(out_ptr, out_stride, count_ptr, seq_ptr, done_ptr, part_ptr,
-                       status_ptr, n_rows, max_spins, H: tl.constexpr, BLOCK_H: tl.constexpr):
+                       status_ptr, max_spins, H: tl.constexpr, BLOCK_H: tl.constexpr):
     count = tl.load(count_ptr)
     if count > 0:
         r = tl.program_id(0)
@@ -114,12 +114,12 @@ def wait_merge(out: torch.Tensor, count, seq, done, partial, status,
     """Wait until the executor has served the call posted last (``done == seq``), then add its
     fp32 partial ``[T, H]`` (UVA alias of host memory) to ``out`` ``[T, H]`` in place, computing
     in fp32; nothing when ``count[0] == 0``. After ``max_spins`` polls of ``done`` without an
-    answer (2^24 by default: each is a PCIe read of about 1 us, so some 15-30 s) it sets
+    answer (a count of PCIe reads, not a time: how long 2^24 take is not measured) it sets
     ``status[0] = 1`` and leaves ``out`` unchanged; ``CpuBranch.check`` raises on it after the
     step."""
     T, H = out.shape
     block = min(1024, triton.next_power_of_2(H))
     _wait_merge_kernel[(T, triton.cdiv(H, block))](
-        out, out.stride(0), count, seq, done, partial, status, T, max_spins, H=H,
+        out, out.stride(0), count, seq, done, partial, status, max_spins, H=H,
         BLOCK_H=block, num_warps=4,
     )
