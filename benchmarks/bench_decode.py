@@ -182,11 +182,12 @@ def run_system(label, model_path, flags, args, sampler, log_dir) -> Dict[str, ob
         result["peak_gpu_gib_load"] = sampler.peak_gib()
         sampler.reset()
         ratios = [float(x) for x in (args.cache_ratios or "").split(",") if x]
-        if ratios and freetoken_stats(url) is not None:
+        stats = freetoken_stats(url) if ratios else None
+        if stats is not None:
             # One server, several cache sizes: resize (POST /freetoken/cache) before each
             # measurement; the cache keeps its most recently used experts across a shrink.
             result["by_ratio"] = []
-            rows = freetoken_stats(url)["pool"]["experts"]
+            rows = stats["pool"]["experts"]
             for ratio in ratios:
                 slots = max(1, round(ratio * rows))
                 t0 = time.perf_counter()
@@ -252,14 +253,19 @@ def table(results: List[Dict[str, object]]) -> str:
     lines.append("|" + "---|" * (len(cols) + 9))
     fmt = lambda v: f"{v:.3f}" if v is not None else "-"
     share = lambda w: w["cpu"] / w["reads"] if w.get("reads") else None
-    expanded = []
-    for r in results:  # one row per cache size of a --cache-ratios system
-        for cell in r.get("by_ratio") or [None]:
-            expanded.append(r if cell is None else {**r, **cell, "label": f"{r['label']}@{cell['ratio']:g}"}
-                            if cell.get("resize_status") == 200 else
-                            {"label": f"{r['label']}@{cell['ratio']:g}",
-                             "error": f"resize refused: {cell.get('resize_answer')}"})
-    for r in expanded:
+    def rows_of(r):  # one row per cache size of a --cache-ratios system
+        if not r.get("by_ratio"):
+            return [r]
+        out = []
+        for cell in r["by_ratio"]:
+            label = f"{r['label']}@{cell['ratio']:g}"
+            if cell.get("resize_status") == 200:
+                out.append({**r, **cell, "label": label})
+            else:
+                out.append({"label": label, "error": f"resize refused: {cell.get('resize_answer')}"})
+        return out
+
+    for r in [row for r in results for row in rows_of(r)]:
         if r.get("error"):
             lines.append(f"| {r['label']} | failed: {serve_bench.cell_text(r['error'], 120)} |"
                          + " - |" * (len(cols) + 7))
