@@ -15,6 +15,11 @@ used and free memory before and after. After each shrink, free memory must have 
 least 90% of the bytes freed, and another process allocates all free GPU memory but
 ``--margin-gib`` (it must succeed: the freed memory went back to the device).
 A greedy probe request (batch 1) before the load and after it must give the same tokens.
+
+With ``--min-free-gib G`` the server also runs ``--freetoken-min-free-gb G`` (give no
+``--sizes`` then): after the load window, another process takes ``--min-free-squeeze-gib`` of
+GPU memory and holds it; the cache must shrink by itself, then grow back (to within one grow
+step) once that process exits, each within ``--min-free-wait-s``, under the same load.
 """
 
 from __future__ import annotations
@@ -69,6 +74,64 @@ def allocate_elsewhere(gib: float) -> dict:
                        timeout=120)
     return {"gib": round(gib, 2), "ok": p.returncode == 0 and "ok" in p.stdout,
             "seconds": round(time.time() - t0, 2), "error": p.stderr[-300:] if p.returncode else ""}
+
+
+def hold_elsewhere(gib: float) -> subprocess.Popen:
+    """Another process allocates ``gib`` GiB on GPU 0 and holds it until its stdin closes."""
+    code = ("import torch,sys; x=torch.empty(int(float(sys.argv[1])*2**30), dtype=torch.uint8,"
+            " device='cuda'); x.fill_(1); torch.cuda.synchronize(); print('held', flush=True);"
+            " sys.stdin.read()")
+    p = subprocess.Popen([sys.executable, "-c", code, str(gib)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    p.stdout.readline()  # 'held' (or EOF when the allocation failed)
+    return p
+
+
+def wait_for_slots(url: str, done, wait_s: float) -> dict:
+    """Polls ``/freetoken/stats`` every 0.5 s until ``done(cache)``; the cache part of the
+    last document, with ``waited_s`` and ``ok``."""
+    t0 = time.monotonic()
+    while True:
+        cache = requests.get(url + "/freetoken/stats", timeout=60).json()["cache"]
+        ok = done(cache)
+        if ok or time.monotonic() - t0 > wait_s:
+            return {"ok": ok, "waited_s": round(time.monotonic() - t0, 2),
+                    "slots": cache["slots"], "configured_slots": cache["configured_slots"],
+                    "last_resize": cache.get("last_resize")}
+        time.sleep(0.5)
+
+
+def min_free_check(url: str, load, gib: float, squeeze_gib: float, wait_s: float) -> dict:
+    """``--freetoken-min-free-gb``: another process takes ``squeeze_gib`` of the free memory
+    (the watch has already brought free memory to G beyond SGLang's reserve), so the cache
+    must shrink; the process exits, and the cache must grow back to within one grow step
+    (``cache.resize.min_free_target``'s hysteresis) of where it was."""
+    doc = requests.get(url + "/freetoken/stats", timeout=60).json()
+    start = doc["cache"]
+    before = smi()
+    if not before:
+        raise SystemExit("--min-free-gib needs a CUDA GPU and nvidia-smi")
+    take = squeeze_gib
+    row = {"min_free_gib": gib, "slots_before": start["slots"], "smi_before": before,
+           "taken_gib": round(take, 2)}
+    t0 = time.monotonic()
+    hog = hold_elsewhere(take)
+    row["smi_held"] = smi()
+    row["shrink"] = wait_for_slots(url, lambda c: c["slots"] < start["slots"], wait_s)
+    row["smi_after_shrink"] = smi()
+    t1 = time.monotonic()
+    hog.stdin.close()
+    hog.wait(timeout=60)
+    shrunk = row["shrink"]["slots"]
+    step = max(doc["top_k"], start["configured_slots"] // 20)
+    row["grow"] = wait_for_slots(
+        url, lambda c: c["slots"] > shrunk and c["slots"] >= start["slots"] - step, wait_s)
+    t2 = time.monotonic()
+    row["smi_after_grow"] = smi()
+    row["tok_s_held"] = load.rate(t0, t1)
+    row["tok_s_released"] = load.rate(t1, t2)
+    row["ok"] = row["shrink"]["ok"] and row["grow"]["ok"]
+    return row
 
 
 def greedy(url: str, ids: List[int], n: int) -> List[int]:
@@ -145,6 +208,10 @@ def main(argv=None) -> int:
     ap.add_argument("--margin-gib", type=float, default=2.0)
     ap.add_argument("--common", default="", help="flags for the server (space-separated)")
     ap.add_argument("--cpu", action="store_true", help="serve on the CPU (smoke runs)")
+    ap.add_argument("--min-free-gib", type=float, default=None,
+                    help="also serve with --freetoken-min-free-gb G and check it (CUDA)")
+    ap.add_argument("--min-free-squeeze-gib", type=float, default=3.0)
+    ap.add_argument("--min-free-wait-s", type=float, default=60.0)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     stop_servers_on_sigterm()
@@ -159,6 +226,8 @@ def main(argv=None) -> int:
     else:
         model, base = a.model_path, []
     flags = base + ["--enable-freetoken", "--freetoken-cache-ratio", str(a.start)] + a.common.split()
+    if a.min_free_gib is not None:
+        flags += ["--freetoken-min-free-gb", str(a.min_free_gib)]
     result = {"flags": flags, "sizes": a.sizes, "batch": a.batch, "resizes": []}
 
     def save():
@@ -203,6 +272,11 @@ def main(argv=None) -> int:
                                                     "tok_s_after")}),
                   body.get("seconds"), body.get("kept"), body.get("graphs_recaptured"),
                   before, after, row.get("allocate_elsewhere"), flush=True)
+        if a.min_free_gib is not None:
+            result["min_free"] = row = min_free_check(
+                srv.url, load, a.min_free_gib, a.min_free_squeeze_gib, a.min_free_wait_s)
+            save()
+            print("min-free:", json.dumps(row), flush=True)
         load.stop()
         result["load_errors"] = load.errors
         result["probe_after"] = greedy(srv.url, probe, 32)
@@ -213,7 +287,7 @@ def main(argv=None) -> int:
     ok = result["probe_equal"] and not result["load_errors"] and all(
         r["status"] == 200 and r.get("allocate_elsewhere", {"ok": True})["ok"]
         and r.get("freed_returned", True)
-        for r in result["resizes"])
+        for r in result["resizes"]) and result.get("min_free", {"ok": True})["ok"]
     return 0 if ok else 1
 
 
