@@ -47,6 +47,15 @@ def test_kept_experts_are_the_most_recently_used_in_lru_order():
     assert kept_experts(st, 3) == kept[:3]
 
 
+def test_kept_experts_of_an_all_resident_cache_spread_over_the_layers():
+    # every expert resident: no recency (all stamps equal), so a shrink keeps the same
+    # experts of every layer rather than whole layers
+    st = ResidencyState(3 * 4, 12, "cpu")
+    st.make_all_resident()
+    kept = [f for f, _ in kept_experts(st, 7, num_experts=4)]
+    assert kept == [0, 4, 8, 1, 5, 9, 2]
+
+
 def test_install_restores_the_lru_order_in_a_smaller_state():
     st = _state_after_calls()
     kept = kept_experts(st, 3)

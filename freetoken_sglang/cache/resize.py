@@ -57,19 +57,26 @@ class ResizeReport:
         return out
 
 
-def kept_experts(state: ResidencyState, limit: int) -> List[Tuple[int, int]]:
+def kept_experts(state: ResidencyState, limit: int,
+                 num_experts: int = 1) -> List[Tuple[int, int]]:
     """The resident experts to keep, most recently used first, at most ``limit``.
 
+    Experts of equal stamp (one layer call's, or a whole all-resident cache's, which records
+    no recency) are ordered by local expert index, then layer, so that a shrink of an
+    all-resident cache keeps the same share of every MoE layer.
+
+    Args:
+        num_experts: E, for that order (1: by flat id).
+
     Returns:
-        ``(flat expert id l*E+e, last-use clock stamp)`` pairs, by descending LRU key (the
+        ``(flat expert id l*E+e, last-use clock stamp)`` pairs, by descending stamp (the
         order in which the LRU would keep them).
     """
     owner = state.owner[: state.num_slots].cpu()
-    key = state.key.cpu()
-    stamp = torch.div(key, max(1, state.num_slots), rounding_mode="floor")
-    held = (owner >= 0).nonzero().squeeze(1)
-    order = held[torch.argsort(key[held], descending=True)][: max(0, limit)]
-    return [(int(owner[s]), int(stamp[s])) for s in order.tolist()]
+    stamp = torch.div(state.key.cpu(), max(1, state.num_slots), rounding_mode="floor")
+    held = [(int(owner[s]), int(stamp[s])) for s in (owner >= 0).nonzero().squeeze(1).tolist()]
+    held.sort(key=lambda fs: (-fs[1], fs[0] % num_experts, fs[0]))
+    return held[: max(0, limit)]
 
 
 def install(state: ResidencyState, filler: Optional[Filler], kept: List[Tuple[int, int]],
