@@ -155,16 +155,13 @@ def _decide_kernel(
         tl.store(cpu_weights_ptr + pos, w * weight_scale, mask=emit)
         n_items += tl.sum(emiti, axis=0)
     tl.store(cpu_count_ptr, n_items)
+    # Atomic adds: no read back, so the program does not wait on five load round trips.
     c = counters_ptr + ordinal
-    tl.store(c, tl.load(c) + (n_hit + n_miss).to(tl.int64))
-    c += num_layers
-    tl.store(c, tl.load(c) + n_hit.to(tl.int64))
-    c += num_layers
-    tl.store(c, tl.load(c) + q.to(tl.int64))
-    c += num_layers
-    tl.store(c, tl.load(c) + n_evict.to(tl.int64))
-    c += num_layers
-    tl.store(c, tl.load(c) + n_cpu.to(tl.int64))
+    tl.atomic_add(c, (n_hit + n_miss).to(tl.int64))
+    tl.atomic_add(c + num_layers, n_hit.to(tl.int64))
+    tl.atomic_add(c + 2 * num_layers, q.to(tl.int64))
+    tl.atomic_add(c + 3 * num_layers, n_evict.to(tl.int64))
+    tl.atomic_add(c + 4 * num_layers, n_cpu.to(tl.int64))
 
 
 @triton.jit
