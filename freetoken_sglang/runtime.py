@@ -385,6 +385,7 @@ class FreeTokenRuntime:
         from freetoken_sglang.execute.cpu_backend import CpuBackendExecutor
         from freetoken_sglang.execute.decode import DecodeExecutor
         from freetoken_sglang.execute.prefill_stream import PrefillStreamExecutor
+        from freetoken_sglang.execute.resident import ResidentExecutor
         from freetoken_sglang.execute.waves import WaveExecutor
 
         layout = self.cache.layout
@@ -402,6 +403,9 @@ class FreeTokenRuntime:
         )
         if self.backend == "cpu":
             self.executors = {"cpu": CpuBackendExecutor(self)}
+            return
+        if layout.kind == "resident":
+            self.executors = {"resident": ResidentExecutor(self)}
             return
         self.executors = {"decode": DecodeExecutor(self)}
         if layout.kind == "stream":
@@ -558,7 +562,7 @@ class FreeTokenRuntime:
                 )
         layout = self._plan_layout(new_slots)
         old_layout, old_slots = old.layout, old.num_slots
-        everything = kept_experts(old.residency, old.residency.num_slots)  # MRU first
+        everything = kept_experts(old.residency, old.residency.num_slots, self.num_experts)  # MRU first
         clock = int(old.residency.clock.item())
         last_use = old.residency.last_use.clone()
         saved = self._serving_state()

@@ -164,7 +164,7 @@ def report_decode_stats(result, self, *args, **kwargs):
     if self.forward_ct_decode % self.decode_log_interval != 0:
         return None
     if getattr(self, "is_stats_logging_rank", True):
-        logger.info(rt.counters.log_line())
+        logger.info(rt.counters.log_line(rt.cache is not None and rt.cache.all_resident))
     return None
 
 

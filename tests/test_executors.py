@@ -98,7 +98,8 @@ def test_executor_choice():
                          stream_min_rows=9, prefill="lru")
     assert lru.executor_for(500, "extend") == "decode"
     assert ExecutorChoice("cpu", "waves", 0, 16, 4, 9).executor_for(500, "extend") == "cpu"
-    assert ExecutorChoice("gpu", "resident", 160, 16, 4, 9).executor_for(500, "extend") == "decode"
+    resident = ExecutorChoice("gpu", "resident", 160, 16, 4, 9)
+    assert resident.executor_for(500, "extend") == resident.executor_for(1, "decode") == "resident"
 
 
 # ---- executors over a real pool and cache ----------------------------------------------
@@ -325,3 +326,23 @@ def test_waves_match_stock_and_leave_the_lru_alone(published):
     counts = ex.snapshot()
     assert counts["layer_calls"] == 3 * L
     assert counts["experts_streamed"] + counts["experts_reused"] > 0
+
+
+def test_resident_runs_stock_over_the_slots_and_touches_no_state(published):
+    from freetoken_sglang.execute.resident import ResidentExecutor
+
+    rt, pool, layers = _runtime(num_slots=L * E)
+    assert rt.cache.all_resident
+    before = _lru_state(rt)
+    ex = ResidentExecutor(rt)
+    for T in (1, 3, 40):
+        for l in range(L):
+            call = _call(layers[l], l, T, 200 * T + l)
+            rt.num_valid.fill_(T)
+            torch.testing.assert_close(ex.run(call), _stock(call), rtol=1e-5, atol=1e-5)
+    # its views are the layer's rows of the slot banks, which hold the pool's experts
+    assert torch.equal(ex.layer_banks[2]["w2_weight"], pool.layer_rows("w2_weight", 2))
+    for a, b in zip(before, _lru_state(rt)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="every expert resident"):
+        ResidentExecutor(_runtime(num_slots=L * E - 1)[0])

@@ -195,6 +195,15 @@ def test_moe_on_slots_is_bit_identical_to_stock(num_tokens, published_server_arg
         layer, x.clone(), weights, ids, perm, {"w13_weight": slot_w13, "w2_weight": slot_w2}
     )
     assert torch.equal(got, want)
+    # Every expert resident (execute/resident.py): the layer's own rows of a larger bank,
+    # with no remap.
+    big = {n: torch.zeros(3 * E, *w.shape[1:], device="cuda", dtype=w.dtype)
+           for n, w in (("w13_weight", w13), ("w2_weight", w2))}
+    big["w13_weight"][E:2 * E] = w13
+    big["w2_weight"][E:2 * E] = w2
+    got = run_on_slots_triton(layer, x.clone(), weights, ids, None,
+                              {n: b[E:2 * E] for n, b in big.items()})
+    assert torch.equal(got, want)
     # Entries at -1 (served on the CPU) contribute nothing; the rest is unchanged.
     drop = torch.zeros_like(ids, dtype=torch.bool)
     drop[:, 0] = True

@@ -119,9 +119,11 @@ def test_cache_as_large_as_the_pool_keeps_every_expert_resident(tiny_checkpoint,
         server.stop()
     assert stats["cache"]["all_resident"] is True
     assert stats["cache"]["slots"] == stats["pool"]["experts"]
-    assert stats["total"]["reads"] > 0
-    assert stats["total"]["fills"] == 0 and stats["total"]["evictions"] == 0
-    assert stats["total"]["hits"] == stats["total"]["reads"]
+    # layer calls run as stock SGLang's MoE over the slots (execute/resident.py): no LRU,
+    # nothing filled, nothing counted
+    assert stats["total"] == {"reads": 0, "hits": 0, "fills": 0, "evictions": 0, "cpu": 0,
+                              "hit_rate": None}
+    assert stats["forwards"]["decode"] > 0
 
 
 def test_engine_keywords(tiny_checkpoint):

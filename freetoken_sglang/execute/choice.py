@@ -78,10 +78,11 @@ class ExecutorChoice:
     prefill: str = "stream"
 
     def executor_for(self, rows: int, phase: str) -> str:
-        """``decode`` (the LRU path), ``stream``, ``waves`` or ``cpu`` for a layer call over
-        ``rows`` rows in a forward of ``phase`` (``decode`` or ``extend``).
+        """``decode`` (the LRU path), ``stream``, ``waves``, ``resident`` or ``cpu`` for a layer
+        call over ``rows`` rows in a forward of ``phase`` (``decode`` or ``extend``).
 
-        - ``cpu`` backend: always ``cpu``. Every expert resident: always ``decode`` (all hits).
+        - ``cpu`` backend: always ``cpu``. Every expert resident: always ``resident`` (stock
+          SGLang's MoE over the layer's slots).
         - An extend forward (prefill chunks, and batches that mix prefill and decode rows)
           at or above ``stream_min_rows`` rows streams; the executor reads each row's own
           routing, so mixed rows are served exactly.
@@ -92,7 +93,7 @@ class ExecutorChoice:
         if self.backend == "cpu":
             return "cpu"
         if self.layout_kind == RESIDENT:
-            return "decode"
+            return "resident"
         streaming = phase == EXTEND and self.prefill == "stream"
         if streaming and rows >= self.stream_min_rows:
             return "stream" if self.layout_kind == STREAM else "waves"

@@ -27,7 +27,7 @@ def run_on_slots_triton(
     hidden_states: torch.Tensor,
     topk_weights: torch.Tensor,
     routed_ids: torch.Tensor,
-    layer_slots: torch.Tensor,
+    layer_slots: Optional[torch.Tensor],
     slot_banks: Dict[str, torch.Tensor],
     skip_negative_ids: bool = False,
     inplace: Optional[bool] = None,
@@ -76,7 +76,8 @@ def run_on_slots_triton(
         ids,
         **quant,
     )
-    remap_expert_ids_(expert_ids, layer_slots)
+    if layer_slots is not None:
+        remap_expert_ids_(expert_ids, layer_slots)
     filter_expert = skip_negative_ids or (
         cfg.num_experts is None or cfg.num_experts != cfg.num_local_experts
     )

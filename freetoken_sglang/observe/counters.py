@@ -66,14 +66,19 @@ class ExpertCounters:
             out[phase] = totals_of(rows)
         return out
 
-    def log_line(self) -> str:
-        """One line for the decode log: the window since the previous call, and the totals."""
+    def log_line(self, all_resident: bool = False) -> str:
+        """One line for the decode log: the window since the previous call, and the totals
+        (``all_resident``: the cache holds every expert, so no layer call goes through the
+        LRU)."""
         totals = self.snapshot()["total"]
         last = self._last_totals or {f: 0 for f in FIELDS}
         window = {f: totals[f] - last[f] for f in FIELDS}
         self._last_totals = {f: totals[f] for f in FIELDS}
         total = (f"total reads {totals['reads']}, hits {totals['hits']}, fills "
                  f"{totals['fills']}, evictions {totals['evictions']}, cpu {totals['cpu']}")
+        if all_resident:
+            return ("FreeToken expert cache: every expert resident, layer calls run as stock "
+                    f"SGLang's (not counted); {total}")
         if not window["reads"]:
             return ("FreeToken expert cache: no layer call went through the LRU since the "
                     "last line (they ran in waves or streamed: /freetoken/stats "
