@@ -1,0 +1,161 @@
+"""What one all-hit MoE layer call costs on each path, under CUDA-graph replay (CUDA only).
+
+    python benchmarks/bench_layer_overhead.py --out OUT.json
+
+The Qwen3-30B-A3B MoE shape by default (E=128, top-8, hidden 2048, expert 768, bf16), every
+routed expert resident in a cache of ``layers * E`` slots. Each variant is captured as one
+graph of ``--calls`` layer calls (ordinals cycling over the layers) and replayed; the table
+gives microseconds per layer call at each batch size, and each variant's excess over stock
+SGLang's ``fused_experts`` on the layer's own ``[E, ...]`` weights:
+
+- ``stock``: SGLang's ``fused_experts``;
+- ``resident``: the resident executor's call (the layer's slice of the slot banks, no remap);
+- ``slots``: the LRU path's MoE over slots (token alignment, remap to slots, the GEMMs);
+- ``decide``, ``fill``, ``remap``: the decision kernel, the fill launch with nothing to
+  fill, the remap kernel alone;
+- ``lru``: the decode executor's whole all-hit call under the fill policy (decide, fill,
+  slots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+
+def setup_sglang(workdir: str) -> None:
+    """SGLang's MoE kernels read the server arguments a server publishes and ask for the
+    tensor-parallel group: publish them for a tiny checkpoint and make a one-process group."""
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.network import get_free_port
+
+    from freetoken_sglang.tiny_models import TinyShape, build_tiny_checkpoint
+
+    path = build_tiny_checkpoint("qwen3_moe", os.path.join(workdir, "tiny"),
+                                 TinyShape(head_dim=64), dtype="bfloat16")
+    publish(ServerArgs(model_path=path), role="bench")
+    ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="nccl",
+                                    distributed_init_method=f"tcp://127.0.0.1:{get_free_port()}")
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+
+
+def per_call_us(fn, calls: int, reps: int) -> float:
+    """Microseconds per layer call of ``fn(i)`` for i in range(calls), captured as one graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(calls):  # warm-up: Triton compiles outside the capture
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    for _ in range(3):
+        g.replay()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(reps):
+        g.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) * 1e3 / (reps * calls)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=12, help="resident layers the calls cycle over")
+    ap.add_argument("--calls", type=int, default=48, help="layer calls per graph")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--batch-sizes", default="1,4")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+
+    from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
+    from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from types import SimpleNamespace
+
+    from freetoken_sglang.cache.residency import ResidencyState, decide
+    from freetoken_sglang.execute.slot_moe import run_on_slots_triton
+    from freetoken_sglang.kernels.fill import copy_rows_banks
+    from freetoken_sglang.kernels.residency import remap_expert_ids_
+
+    setup_sglang(tempfile.mkdtemp())
+    E, k, H, I, L = a.experts, a.top_k, a.hidden, a.intermediate, a.layers
+    dev, bf16 = "cuda", torch.bfloat16
+    S = L * E
+    slots = {"w13_weight": torch.randn(S, 2 * I, H, device=dev, dtype=bf16) * 0.02,
+             "w2_weight": torch.randn(S, H, I, device=dev, dtype=bf16) * 0.02}
+    per_layer = [{n: b[l * E:(l + 1) * E] for n, b in slots.items()} for l in range(L)]
+    state = ResidencyState(S, S, dev)
+    state.make_all_resident()
+    counters = torch.zeros(5, L, dtype=torch.int64, device=dev)
+    cfg = MoeRunnerConfig(num_experts=E, num_local_experts=E, hidden_size=H,
+                          intermediate_size_per_partition=I, top_k=k, params_dtype=bf16,
+                          activation="silu", inplace=False)
+    rows = {}
+    for T in (int(x) for x in a.batch_sizes.split(",")):
+        x = torch.randn(T, H, device=dev, dtype=bf16)
+        logits = torch.randn(T, E, device=dev)
+        w, ids = torch.topk(logits.softmax(-1), k)
+        ids = ids.to(torch.int32)
+        topk = StandardTopKOutput(w, ids, logits)
+        num_valid = torch.tensor([T], dtype=torch.int32, device=dev)
+        layers = [SimpleNamespace(moe_runner_config=cfg, w13_weight=p["w13_weight"],
+                                  w2_weight=p["w2_weight"]) for p in per_layer]
+        expert_ids = torch.randint(0, E, (max(64, T * k * 4),), device=dev, dtype=torch.int32)
+        src = torch.zeros(E, dtype=torch.int32, device=dev)
+        count = torch.zeros(1, dtype=torch.int32, device=dev)
+        names = list(slots)
+
+        def lru(i):
+            o = i % L
+            d = decide(state, counters, o, E, ids, w, num_valid)
+            copy_rows_banks([slots[n] for n in names], [slots[n] for n in names],
+                            d.plan.src, d.plan.dst, d.plan.count)
+            run_on_slots_triton(layers[o], x, w, d.routed_ids, state.layer_slots(o, E), slots)
+
+        variants = {
+            "stock": lambda i: fused_experts(x, per_layer[i % L]["w13_weight"],
+                                             per_layer[i % L]["w2_weight"], topk, cfg),
+            "resident": lambda i: run_on_slots_triton(layers[i % L], x, w, ids, None,
+                                                      per_layer[i % L]),
+            "slots": lambda i: run_on_slots_triton(layers[i % L], x, w, ids,
+                                                   state.layer_slots(i % L, E), slots),
+            "decide": lambda i: decide(state, counters, i % L, E, ids, w, num_valid),
+            "fill": lambda i: copy_rows_banks([slots[n] for n in names],
+                                              [slots[n] for n in names], src, src, count),
+            "remap": lambda i: remap_expert_ids_(expert_ids, state.layer_slots(i % L, E)),
+            "lru": lru,
+        }
+        got = {name: per_call_us(fn, a.calls, a.reps) for name, fn in variants.items()}
+        rows[T] = got
+        print(json.dumps({"batch": T, **{n: round(v, 2) for n, v in got.items()}}), flush=True)
+    assert int(counters[2].sum()) == 0, "an all-hit benchmark filled experts"
+    with open(a.out, "w") as f:
+        json.dump({"args": vars(a), "us_per_layer_call": rows,
+                   "device": torch.cuda.get_device_name()}, f, indent=1)
+    whole = ("stock", "resident", "slots", "lru")  # whole MoE calls: their excess over stock
+    print("| path | " + " | ".join(f"bs{T} us/call | bs{T} over stock" for T in rows) + " |")
+    print("|---|" + "---:|---:|" * len(rows))
+    for name in rows[next(iter(rows))]:
+        cells = [f"{rows[T][name]:.2f} | " + (f"{rows[T][name] - rows[T]['stock']:+.2f}"
+                                              if name in whole else "-") for T in rows]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
