@@ -720,7 +720,11 @@ class FreeTokenRuntime:
         self._next_watch = now + 1.0
         from freetoken_sglang.cache.resize import min_free_target
 
-        free = torch.cuda.mem_get_info(self.device)[0]
+        # Blocks torch's allocator holds unused count as free, as in ``serving_free_bytes``
+        # (measured after ``empty_cache``): activations cached while serving come out of
+        # SGLang's reserve, and must not make the watch shrink the cache.
+        free = (torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device)
+                - torch.cuda.memory_allocated(self.device))
         target = min_free_target(
             self.cache.num_slots, self.configured_slots, self.top_k, free,
             int(g * GIB) + self.runtime_reserve_bytes, self.pool.expert_bytes,
