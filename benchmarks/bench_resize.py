@@ -130,7 +130,10 @@ def min_free_check(url: str, load, gib: float, squeeze_gib: float, wait_s: float
     t0 = time.monotonic()
     hog = hold_elsewhere(take)
     row["smi_held"] = smi()
-    row["shrink"] = wait_for_slots(url, lambda c: c["slots"] < start["slots"], wait_s)
+    # the shrink the taken memory causes: at least half of it in slots (a drift of a slot or
+    # two is not it)
+    need = max(1, int(squeeze_gib * 2**30 / 2 / doc["pool"]["expert_bytes"]))
+    row["shrink"] = wait_for_slots(url, lambda c: c["slots"] <= start["slots"] - need, wait_s)
     row["smi_after_shrink"] = smi()
     t1 = time.monotonic()
     hog.stdin.close()

@@ -132,8 +132,16 @@ def test_grow_back_after_the_runtime_took_memory_while_serving():
 
 def test_min_free_rule():
     gib = 1 << 30
-    # 1 GiB slots; 2 GiB free, 5 wanted: shrink by 3
-    assert min_free_target(10, 10, 2, 2 * gib, 5 * gib, gib, 1) == 7
+    # 1 GiB slots; 2 GiB free, 5 wanted: shrink by 3, and one step more
+    assert min_free_target(10, 10, 2, 2 * gib, 5 * gib, gib, 1) == 6
+    assert min_free_target(10, 10, 2, 2 * gib, 5 * gib, gib, 2) == 5
+    # a few MiB short (what a graph capture keeps) still shrinks by a whole step, and what
+    # the shrink frees is then neither short nor room to grow: no resize after resize
+    step, mib = 3, 1 << 20
+    shrunk = min_free_target(20, 20, 2, 5 * gib - 8 * mib, 5 * gib, gib, step)
+    assert shrunk == 20 - 1 - step
+    free_after = 5 * gib - 8 * mib + (20 - shrunk) * gib - 8 * mib
+    assert min_free_target(shrunk, 20, 2, free_after, 5 * gib, gib, step) is None
     # never below top-k
     assert min_free_target(4, 10, 2, 0, 50 * gib, gib, 1) == 2
     assert min_free_target(2, 10, 2, 0, 50 * gib, gib, 1) is None

@@ -173,14 +173,17 @@ def min_free_target(
 ) -> Optional[int]:
     """The slot count ``--freetoken-min-free-gb`` asks for now, or None to stay.
 
-    Shrinks (to no fewer than ``min_slots``) by the slots that bring free device memory back
-    to ``min_free_bytes``. Grows back towards ``configured_slots`` only when at least two
-    ``grow_step``s of slots fit above that floor, and then leaves one ``grow_step`` of them
-    free, so that the capture of a resize or a desktop's small allocations do not make it
-    shrink again at once.
+    A band of two ``grow_step``s above the floor: under ``min_free_bytes`` it shrinks (to no
+    fewer than ``min_slots``) by the slots that bring free device memory back to the floor
+    plus one ``grow_step``; it grows back towards ``configured_slots`` only when at least two
+    ``grow_step``s of slots fit above the floor, and then leaves one of them free. Either way
+    free memory ends one step above the floor, so the few MiB a resize's graph capture keeps,
+    or a desktop's small allocations, do not make it resize again (every resize stalls decode
+    for a graph capture; on the H200 a watch without the shrink margin shrank by 1-4 slots
+    every 3 s).
     """
     if free_bytes < min_free_bytes:
-        short = min_free_bytes - free_bytes
+        short = min_free_bytes - free_bytes + grow_step * slot_bytes
         want = max(min_slots, num_slots - -(-short // slot_bytes))
         return want if want < num_slots else None
     if num_slots < configured_slots:
