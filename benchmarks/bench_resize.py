@@ -214,6 +214,8 @@ def main(argv=None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--shape", help="a full-size shape with dummy weights (servers.SHAPES)")
     src.add_argument("--model-path")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="with --shape: that many layers (a quicker start for functional runs)")
     ap.add_argument("--start", type=float, default=0.25, help="cache ratio at start")
     ap.add_argument("--sizes", default="0.10,0.25,0.10,0.25",
                     help="cache sizes to resize to in turn, as fractions of the pool")
@@ -235,6 +237,12 @@ def main(argv=None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     if a.shape:
         model = write_shape(a.shape, out_dir)
+        if a.layers:
+            cfg_path = os.path.join(model, "config.json")
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+            with open(cfg_path, "w") as f:
+                json.dump(dict(cfg, num_hidden_layers=a.layers), f, indent=1)
         from servers import write_tokenizer
 
         tok = write_tokenizer(a.shape, os.path.join(out_dir, "tokenizer"))
