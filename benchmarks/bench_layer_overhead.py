@@ -14,7 +14,8 @@ SGLang's ``fused_experts`` on the layer's own ``[E, ...]`` weights:
 - ``decide``, ``fill``, ``remap``: the decision kernel, the fill launch with nothing to
   fill, the remap kernel alone;
 - ``lru``: the decode executor's whole all-hit call under the fill policy (decide, fill,
-  slots).
+  slots);
+- ``decide@Nwarps`` (``--decide-warps``): the decision kernel with N warps.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=48, help="layer calls per graph")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--batch-sizes", default="1,4")
+    ap.add_argument("--decide-warps", default="",
+                    help="also time the decision kernel with these warp counts (e.g. 1,2)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
@@ -90,6 +93,7 @@ def main(argv=None) -> int:
     from freetoken_sglang.cache.residency import ResidencyState, decide
     from freetoken_sglang.execute.slot_moe import run_on_slots_triton
     from freetoken_sglang.kernels.fill import copy_rows_banks
+    from freetoken_sglang.kernels import residency as residency_kernels
     from freetoken_sglang.kernels.residency import remap_expert_ids_
 
     setup_sglang(tempfile.mkdtemp())
@@ -141,6 +145,12 @@ def main(argv=None) -> int:
             "lru": lru,
         }
         got = {name: per_call_us(fn, a.calls, a.reps) for name, fn in variants.items()}
+        for w in (int(x) for x in a.decide_warps.split(",") if x):
+            default, residency_kernels.DECIDE_WARPS = residency_kernels.DECIDE_WARPS, w
+            try:
+                got[f"decide@{w}warps"] = per_call_us(variants["decide"], a.calls, a.reps)
+            finally:
+                residency_kernels.DECIDE_WARPS = default
         rows[T] = got
         print(json.dumps({"batch": T, **{n: round(v, 2) for n, v in got.items()}}), flush=True)
     assert int(counters[2].sum()) == 0, "an all-hit benchmark filled experts"

@@ -29,6 +29,9 @@ from freetoken_sglang.cache.residency import (
 )
 
 _BLOCK = 64
+# Warps of the single decision program (measured: 12-13 us per all-hit call at 4 warps on the
+# H200, benchmarks/RESULTS.md session 16; bench_layer_overhead.py --decide-warps compares).
+DECIDE_WARPS = 4
 _SLOT_BLOCK = 1024
 
 
@@ -256,7 +259,7 @@ def decide_triton(
         BLOCK=_BLOCK,
         SLOT_BLOCK=_SLOT_BLOCK,
         ADMIT=bool(split.admit_reuse) and state.num_slots > 0,
-        num_warps=4,
+        num_warps=DECIDE_WARPS,
     )
     return LayerDecision(plan, ids_out, work)
 
