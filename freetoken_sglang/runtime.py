@@ -720,16 +720,19 @@ class FreeTokenRuntime:
         self._next_watch = now + 1.0
         from freetoken_sglang.cache.resize import min_free_target
 
-        # Blocks torch's allocator holds unused count as free, as in ``serving_free_bytes``
-        # (measured after ``empty_cache``): activations cached while serving come out of
-        # SGLang's reserve, and must not make the watch shrink the cache.
-        free = (torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device)
-                - torch.cuda.memory_allocated(self.device))
-        target = min_free_target(
-            self.cache.num_slots, self.configured_slots, self.top_k, free,
-            int(g * GIB) + self.runtime_reserve_bytes, self.pool.expert_bytes,
-            grow_step=max(self.top_k, self.configured_slots // 20),
-        )
+        def target_for(free_bytes):
+            return min_free_target(
+                self.cache.num_slots, self.configured_slots, self.top_k, free_bytes,
+                int(g * GIB) + self.runtime_reserve_bytes, self.pool.expert_bytes,
+                grow_step=max(self.top_k, self.configured_slots // 20),
+            )
+
+        # The cheap reading leaves out blocks torch's allocator holds unused; before acting,
+        # measure as the reserve was measured (after ``empty_cache``).
+        target = target_for(torch.cuda.mem_get_info(self.device)[0])
+        if target is not None:
+            free = self._free_for_cache()
+            target = target_for(free)
         if target is None:
             return None
         logger.info(

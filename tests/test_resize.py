@@ -37,14 +37,14 @@ def test_kept_experts_are_the_most_recently_used_in_lru_order():
     assert check_invariants(st) == []
     # 6 slots, 8 uses: the two oldest (layer 0: 2, layer 1: 3/4) were evicted. Stamps: the
     # call's clock value; within a call, the lower slot first in key order (descending: higher).
-    kept = kept_experts(st, 10)
+    kept = kept_experts(st, 10, 8)
     flats = [f for f, _ in kept]
     stamps = [s for _, s in kept]
     assert stamps == sorted(stamps, reverse=True)
     assert set(flats) == {int(x) for x in st.owner[:6] if x >= 0}
     assert set(flats[:2]) == {8 + 0, 8 + 7} and stamps[:2] == [4, 4]
     assert set(flats[2:4]) == {5, 1} and stamps[2:4] == [3, 3]
-    assert kept_experts(st, 3) == kept[:3]
+    assert kept_experts(st, 3, 8) == kept[:3]
 
 
 def test_kept_experts_of_an_all_resident_cache_spread_over_the_layers():
@@ -52,13 +52,13 @@ def test_kept_experts_of_an_all_resident_cache_spread_over_the_layers():
     # experts of every layer rather than whole layers
     st = ResidencyState(3 * 4, 12, "cpu")
     st.make_all_resident()
-    kept = [f for f, _ in kept_experts(st, 7, num_experts=4)]
+    kept = [f for f, _ in kept_experts(st, 7, 4)]
     assert kept == [0, 4, 8, 1, 5, 9, 2]
 
 
 def test_install_restores_the_lru_order_in_a_smaller_state():
     st = _state_after_calls()
-    kept = kept_experts(st, 3)
+    kept = kept_experts(st, 3, 8)
     small = ResidencyState(st.num_rows, 3, "cpu")
     install(small, None, kept, int(st.clock))
     assert check_invariants(small) == []
@@ -132,16 +132,21 @@ def test_grow_back_after_the_runtime_took_memory_while_serving():
 
 def test_min_free_rule():
     gib = 1 << 30
-    # 1 GiB slots; 2 GiB free, 5 wanted: shrink by 3, and one step more
+    # 1 GiB slots; 2 GiB free, 5 wanted: shrink by 3, and a margin of one slot (a step of
+    # 1 GiB, cut to 256 MiB, but never under a slot)
     assert min_free_target(10, 10, 2, 2 * gib, 5 * gib, gib, 1) == 6
-    assert min_free_target(10, 10, 2, 2 * gib, 5 * gib, gib, 2) == 5
-    # a few MiB short (what a graph capture keeps) still shrinks by a whole step, and what
-    # the shrink frees is then neither short nor room to grow: no resize after resize
-    step, mib = 3, 1 << 20
-    shrunk = min_free_target(20, 20, 2, 5 * gib - 8 * mib, 5 * gib, gib, step)
-    assert shrunk == 20 - 1 - step
-    free_after = 5 * gib - 8 * mib + (20 - shrunk) * gib - 8 * mib
-    assert min_free_target(shrunk, 20, 2, free_after, 5 * gib, gib, step) is None
+    assert min_free_target(10, 10, 2, 2 * gib, 5 * gib, gib, 2) == 6
+    # 64 MiB slots: the margin is one step (2 slots) or 256 MiB (4 slots), the smaller
+    mib = 1 << 20
+    assert min_free_target(100, 100, 2, 5 * gib - 64 * mib, 5 * gib, 64 * mib, 2) == 97
+    assert min_free_target(100, 100, 2, 5 * gib - 64 * mib, 5 * gib, 64 * mib, 20) == 95
+    # a few MiB short (what a graph capture keeps) shrinks by the margin, and what the
+    # shrink frees is then neither short nor room to grow: no resize after resize
+    step = 20
+    shrunk = min_free_target(200, 200, 2, 5 * gib - 8 * mib, 5 * gib, 64 * mib, step)
+    assert shrunk == 200 - 5
+    free_after = 5 * gib - 8 * mib + (200 - shrunk) * 64 * mib - 8 * mib
+    assert min_free_target(shrunk, 200, 2, free_after, 5 * gib, 64 * mib, step) is None
     # never below top-k
     assert min_free_target(4, 10, 2, 0, 50 * gib, gib, 1) == 2
     assert min_free_target(2, 10, 2, 0, 50 * gib, gib, 1) is None
@@ -155,6 +160,39 @@ def test_min_free_rule():
     # what a grow leaves free is not under the floor at once
     grown = min_free_target(6, 10, 2, 11 * gib, 5 * gib, gib, 3)
     assert min_free_target(grown, 10, 2, 11 * gib - (grown - 6) * gib, 5 * gib, gib, 3) is None
+
+
+def test_min_free_watch_acts_on_the_free_memory_measured_after_empty_cache(monkeypatch):
+    """The watch's cheap reading (``mem_get_info``) leaves out blocks torch's allocator holds
+    unused; it resizes only by what ``_free_for_cache`` (after ``empty_cache``, as the
+    reserve was measured) says."""
+    from types import SimpleNamespace
+
+    from freetoken_sglang.runtime import FreeTokenRuntime
+
+    gib, mib = 1 << 30, 1 << 20
+    reads = {"cheap": 0, "measured": 0}
+    resized = []
+    rt = SimpleNamespace(
+        config=SimpleNamespace(min_free_gb=1.0), device=torch.device("cuda"),
+        cache=SimpleNamespace(num_slots=100), _next_watch=0.0, configured_slots=100, top_k=2,
+        runtime_reserve_bytes=10 * gib, pool=SimpleNamespace(expert_bytes=64 * mib),
+        last_resize=None, _free_for_cache=lambda: reads["measured"],
+        resize_cache=lambda slots, reason: resized.append((slots, reason)) or SimpleNamespace(
+            as_dict=lambda: {"new_slots": slots}),
+    )
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (reads["cheap"], 0))
+    # the cheap reading is short (cached activations), the measured one is not: no resize
+    reads.update(cheap=11 * gib - 100 * mib, measured=11 * gib + 10 * mib)
+    assert FreeTokenRuntime.watch_free_memory(rt, now=1.0) is None and resized == []
+    # at most once a second
+    reads.update(cheap=0, measured=0)
+    assert FreeTokenRuntime.watch_free_memory(rt, now=1.5) is None and resized == []
+    # both short by 64 MiB: shrink by it and the margin (a step of 5 slots: 320 MiB, cut to
+    # 256 MiB = 4 slots)
+    reads.update(cheap=11 * gib - 64 * mib, measured=11 * gib - 64 * mib)
+    FreeTokenRuntime.watch_free_memory(rt, now=2.5)
+    assert resized == [(95, "min-free")] and rt.last_resize["new_slots"] == 95
 
 
 def test_resize_bodies():

@@ -58,19 +58,19 @@ class ResizeReport:
 
 
 def kept_experts(state: ResidencyState, limit: int,
-                 num_experts: int = 1) -> List[Tuple[int, int]]:
+                 num_experts: int) -> List[Tuple[int, int]]:
     """The resident experts to keep, most recently used first, at most ``limit``.
 
-    Experts of equal stamp (one layer call's, or a whole all-resident cache's, which records
-    no recency) are ordered by local expert index, then layer, so that a shrink of an
-    all-resident cache keeps the same share of every MoE layer.
-
     Args:
-        num_experts: E, for that order (1: by flat id).
+        state: the residency state of the cache being resized.
+        limit: the most experts to return.
+        num_experts: E, experts per MoE layer.
 
     Returns:
-        ``(flat expert id l*E+e, last-use clock stamp)`` pairs, by descending stamp (the
-        order in which the LRU would keep them).
+        ``(flat expert id l*E+e, last-use clock stamp)`` pairs, by descending stamp (the LRU's
+        order); experts of equal stamp (one layer call's, or an all-resident cache's, which
+        records no recency) by local expert index, then layer, so that a shrink of an
+        all-resident cache keeps the same share of every MoE layer.
     """
     owner = state.owner[: state.num_slots].cpu()
     stamp = torch.div(state.key.cpu(), max(1, state.num_slots), rounding_mode="floor")
@@ -162,6 +162,11 @@ def resize_allowance(cache_bytes: int, free_bytes: int, slack_bytes: int) -> int
     return cache_bytes + max(0, free_bytes - slack_bytes)
 
 
+# The most a min-free shrink goes beyond the floor (``min_free_target``): well above the MiB
+# a graph capture keeps, well under a large cache's grow step.
+SHRINK_MARGIN_BYTES = 256 << 20
+
+
 def min_free_target(
     num_slots: int,
     configured_slots: int,
@@ -173,17 +178,18 @@ def min_free_target(
 ) -> Optional[int]:
     """The slot count ``--freetoken-min-free-gb`` asks for now, or None to stay.
 
-    A band of two ``grow_step``s above the floor: under ``min_free_bytes`` it shrinks (to no
-    fewer than ``min_slots``) by the slots that bring free device memory back to the floor
-    plus one ``grow_step``; it grows back towards ``configured_slots`` only when at least two
-    ``grow_step``s of slots fit above the floor, and then leaves one of them free. Either way
-    free memory ends one step above the floor, so the few MiB a resize's graph capture keeps,
+    A band above the floor: under ``min_free_bytes`` it shrinks (to no fewer than
+    ``min_slots``) by the slots that bring free device memory back to the floor plus a margin
+    (one ``grow_step``, at most ``SHRINK_MARGIN_BYTES``, at least one slot); it grows back
+    towards ``configured_slots`` only when at least two ``grow_step``s of slots fit above the
+    floor, and then leaves one of them free. So the few MiB a resize's graph capture keeps,
     or a desktop's small allocations, do not make it resize again (every resize stalls decode
     for a graph capture; on the H200 a watch without the shrink margin shrank by 1-4 slots
     every 3 s).
     """
     if free_bytes < min_free_bytes:
-        short = min_free_bytes - free_bytes + grow_step * slot_bytes
+        margin = max(slot_bytes, min(grow_step * slot_bytes, SHRINK_MARGIN_BYTES))
+        short = min_free_bytes - free_bytes + margin
         want = max(min_slots, num_slots - -(-short // slot_bytes))
         return want if want < num_slots else None
     if num_slots < configured_slots:
