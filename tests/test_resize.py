@@ -211,8 +211,9 @@ def test_bad_resize_bodies_are_refused(body):
 # ---- end to end on the CPU-run SGLang ------------------------------------------------------
 SHAPE = dict(num_layers=4, num_experts=16, top_k=4)  # 64 experts in the pool
 # shrink and grow three times: 8, 5, 24 and 4 run prefill in waves (less than two full
-# layers + k), 40 streams full layers, 64 holds every expert
-SIZES = [8, 40, 5, 24, 4, 64]
+# layers + k), 40 streams full layers, 64 holds every expert (execute/resident.py), and the
+# last 24 shrinks out of it
+SIZES = [8, 40, 5, 24, 4, 64, 24]
 STREAMED = [([(i * 11 + j * 7) % 300 + 20 for j in range(6 + 9 * i)], 64 + 4 * i)
             for i in range(8)]
 
@@ -300,9 +301,11 @@ def test_resize_under_load_matches_stock_sglang(tiny_checkpoint, tmp_path):
         reads_before = tot["reads"]
         old = size
     shrink = [a[2] for a in answers if a[2]["new_slots"] < a[2]["old_slots"]]
-    assert len(shrink) == 3 and shrink[0]["kept"] == 4  # 16 -> 8: 4 LRU slots + 4 for waves
-    assert answers[-1][2]["layout"] == "every expert resident"
+    assert len(shrink) == 4 and shrink[0]["kept"] == 4  # 16 -> 8: 4 LRU slots + 4 for waves
+    assert answers[-2][2]["layout"] == "every expert resident"
+    # out of it: every LRU slot kept (by kept_experts' order: the same share of every layer)
+    assert shrink[-1]["kept"] == answers[-1][4]["cache"]["lru_slots"] == 18
     # a size below top-k is refused with a one-line reason; the cache is unchanged
     assert bad.status_code == 400 and "top-4" in bad.json()["error"]
-    assert final["cache"]["slots"] == 64 and final["cache"]["resizes"] == len(SIZES)
+    assert final["cache"]["slots"] == 24 and final["cache"]["resizes"] == len(SIZES)
     assert log.count("GPU expert cache resized (request)") == len(SIZES)
