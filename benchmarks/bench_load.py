@@ -62,9 +62,9 @@ def write_checkpoint(shape: str, layers: int, out: str, shard_gib: float = 4.0) 
     import torch
     from safetensors.torch import save_file
 
-    from servers import SHAPES
+    from servers import shape_config
 
-    cfg = dict(SHAPES[shape], num_hidden_layers=layers)
+    cfg = shape_config(shape, layers)
     if cfg.get("model_type") != "qwen3_moe":
         raise SystemExit(f"--shape {shape}: only Qwen3-MoE shapes are written by this script")
     os.makedirs(out, exist_ok=True)

@@ -83,7 +83,10 @@ def hold_elsewhere(gib: float) -> subprocess.Popen:
             " sys.stdin.read()")
     p = subprocess.Popen([sys.executable, "-c", code, str(gib)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
-    p.stdout.readline()  # 'held' (or EOF when the allocation failed)
+    if p.stdout.readline().strip() != "held":
+        p.wait(timeout=60)
+        raise SystemExit(f"another process could not take {gib:.2f} GiB of GPU memory "
+                         f"(exit code {p.returncode})")
     return p
 
 
@@ -232,17 +235,16 @@ def main(argv=None) -> int:
     ap.add_argument("--min-free-wait-s", type=float, default=60.0)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    if a.min_free_gib is not None and a.sizes:
+        ap.error("--min-free-gib checks the watch alone: pass --sizes '' (requested resizes "
+                 "change the size it grows back to)")
+    if a.layers and not a.shape:
+        ap.error("--layers goes with --shape")
     stop_servers_on_sigterm()
     out_dir = os.path.dirname(os.path.abspath(a.out))
     os.makedirs(out_dir, exist_ok=True)
     if a.shape:
-        model = write_shape(a.shape, out_dir)
-        if a.layers:
-            cfg_path = os.path.join(model, "config.json")
-            with open(cfg_path) as f:
-                cfg = json.load(f)
-            with open(cfg_path, "w") as f:
-                json.dump(dict(cfg, num_hidden_layers=a.layers), f, indent=1)
+        model = write_shape(a.shape, out_dir, a.layers)
         from servers import write_tokenizer
 
         tok = write_tokenizer(a.shape, os.path.join(out_dir, "tokenizer"))

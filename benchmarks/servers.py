@@ -172,12 +172,24 @@ def write_tokenizer(shape: str, out_dir: str) -> str:
     return path
 
 
-def write_shape(name: str, root: str) -> str:
-    """A model directory holding only the config of a full-size shape (for dummy weights)."""
+def shape_config(name: str, layers: Optional[int] = None) -> dict:
+    """The config of a full-size shape, with ``layers`` layers instead of all of them (shapes
+    whose layer list is their own, the hybrids' ``layer_types``, refuse a count)."""
+    cfg = dict(SHAPES[name])
+    if layers:
+        if "num_hidden_layers" not in cfg or "layer_types" in cfg:
+            raise SystemExit(f"--layers is not supported for the {name} shape")
+        cfg["num_hidden_layers"] = layers
+    return cfg
+
+
+def write_shape(name: str, root: str, layers: Optional[int] = None) -> str:
+    """A model directory holding only the config of a full-size shape (for dummy weights),
+    with ``layers`` layers (``shape_config``)."""
     path = os.path.join(root, name)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(SHAPES[name], f, indent=1)
+        json.dump(shape_config(name, layers), f, indent=1)
     return path
 
 

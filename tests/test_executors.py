@@ -338,7 +338,6 @@ def test_resident_runs_stock_over_the_slots_and_touches_no_state(published):
     for T in (1, 3, 40):
         for l in range(L):
             call = _call(layers[l], l, T, 200 * T + l)
-            rt.num_valid.fill_(T)
             torch.testing.assert_close(ex.run(call), _stock(call), rtol=1e-5, atol=1e-5)
     # its views are the layer's rows of the slot banks, which hold the pool's experts
     assert torch.equal(ex.layer_banks[2]["w2_weight"], pool.layer_rows("w2_weight", 2))

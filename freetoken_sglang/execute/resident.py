@@ -7,7 +7,7 @@ from typing import Dict, List
 import torch
 
 from freetoken_sglang.execute.contract import LayerCall
-from freetoken_sglang.execute.slot_moe import run_on_slots, run_on_slots_triton
+from freetoken_sglang.execute.slot_moe import run_on_slots_native, run_on_slots_triton
 
 
 class ResidentExecutor:
@@ -43,9 +43,12 @@ class ResidentExecutor:
         ]
 
     def run(self, call: LayerCall) -> torch.Tensor:
-        cache = self.rt.cache
+        """The layer's routed-expert output ``[T, H]`` (the executor contract), from the
+        layer's own slots with the router's ids as they are."""
         if call.x.is_cuda:
             return run_on_slots_triton(call.layer, call.x, call.topk_weights, call.topk_ids,
                                        None, self.layer_banks[call.ordinal])
-        return run_on_slots(call, call.topk_ids,
-                            cache.residency.layer_slots(call.ordinal, cache.num_experts), cache)
+        cache = self.rt.cache
+        return run_on_slots_native(call.layer, call.x, call.topk_output, call.topk_ids,
+                                   cache.residency.layer_slots(call.ordinal, cache.num_experts),
+                                   cache.banks_with_null_slots, cache.num_slots)
