@@ -11,7 +11,8 @@ Systems (``--systems``, comma-separated):
   0.5 GiB;
 - ``ft-qstar``, ``ft-fill``, ``ft-cpu``: FreeToken with each miss policy, the cache at
   ``--cache-ratio`` of the pool, recording routing traces;
-- ``ft-allhit``: FreeToken with every expert resident, for the roofline's all-hit step time;
+- ``ft-allhit``: FreeToken with every expert resident, for the roofline's all-hit step time
+  (stock SGLang's MoE over the slots since session 16's resident executor);
 - ``ft-fill-lru``: ``ft-fill`` with prefill through the decode LRU (``--freetoken-prefill
   lru``), the prefill path before streaming;
 - ``ft-fill-reserved``: ``ft-fill`` with the prefill buffers reserved outside the LRU
