@@ -135,10 +135,11 @@ class FreeTokenConfig:
         default=None,
         metadata=dict(
             type=_positive_float,
-            help="Keep at least this much GPU memory (GiB) free for other applications: the "
-            "expert cache shrinks by itself when free memory falls below it and grows back "
-            "to its configured size when memory is free again (checked once a second; each "
-            "resize is logged). Needs a CUDA device.",
+            help="Keep at least this much GPU memory (GiB) free for other applications, "
+            "beyond what SGLang's runtime keeps: the expert cache shrinks by itself when free "
+            "memory falls below it and grows back towards its configured size when memory is "
+            "free again, with a margin against resizing back and forth (checked once a second; "
+            "each resize is logged). Needs a CUDA device.",
         ),
     )
 
