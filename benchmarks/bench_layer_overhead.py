@@ -15,7 +15,8 @@ SGLang's ``fused_experts`` on the layer's own ``[E, ...]`` weights:
   fill, the remap kernel alone;
 - ``lru``: the decode executor's whole all-hit call under the fill policy (decide, fill,
   slots);
-- ``decide@Nwarps`` (``--decide-warps``): the decision kernel with N warps.
+- ``decide@BxW`` (``--decide-configs``): the decision kernel with loops of B routed entries
+  and W warps.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=48, help="layer calls per graph")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--batch-sizes", default="1,4")
-    ap.add_argument("--decide-warps", default="",
-                    help="also time the decision kernel with these warp counts (e.g. 1,2)")
+    ap.add_argument("--decide-configs", default="",
+                    help="also time the decision kernel with these BLOCKxWARPS configs "
+                         "(e.g. 16x1,16x4,64x1)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
@@ -145,12 +147,15 @@ def main(argv=None) -> int:
             "lru": lru,
         }
         got = {name: per_call_us(fn, a.calls, a.reps) for name, fn in variants.items()}
-        for w in (int(x) for x in a.decide_warps.split(",") if x):
-            default, residency_kernels.DECIDE_WARPS = residency_kernels.DECIDE_WARPS, w
+        for conf in (x for x in a.decide_configs.split(",") if x):
+            block, warps = (int(v) for v in conf.split("x"))
+            k = residency_kernels
+            default = k.DECIDE_BLOCK, k.DECIDE_WARPS
+            k.DECIDE_BLOCK, k.DECIDE_WARPS = block, warps
             try:
-                got[f"decide@{w}warps"] = per_call_us(variants["decide"], a.calls, a.reps)
+                got[f"decide@{conf}"] = per_call_us(variants["decide"], a.calls, a.reps)
             finally:
-                residency_kernels.DECIDE_WARPS = default
+                k.DECIDE_BLOCK, k.DECIDE_WARPS = default
         rows[T] = got
         print(json.dumps({"batch": T, **{n: round(v, 2) for n, v in got.items()}}), flush=True)
     assert int(counters[2].sum()) == 0, "an all-hit benchmark filled experts"

@@ -28,9 +28,10 @@ from freetoken_sglang.cache.residency import (
     max_unique_experts,
 )
 
-_BLOCK = 64
-# Warps of the single decision program (measured: 12-13 us per all-hit call at 4 warps on the
-# H200, benchmarks/RESULTS.md session 16; bench_layer_overhead.py --decide-warps compares).
+# Routed entries per step of the decision program's loops, and its warps (measured at 64 and 4:
+# 12-13 us per all-hit call on the H200, benchmarks/RESULTS.md session 16;
+# bench_layer_overhead.py --decide-configs compares others).
+DECIDE_BLOCK = 64
 DECIDE_WARPS = 4
 _SLOT_BLOCK = 1024
 
@@ -256,7 +257,7 @@ def decide_triton(
         q_table(split, E, device),
         float(weight_scale),
         E_PAD=triton.next_power_of_2(E),
-        BLOCK=_BLOCK,
+        BLOCK=DECIDE_BLOCK,
         SLOT_BLOCK=_SLOT_BLOCK,
         ADMIT=bool(split.admit_reuse) and state.num_slots > 0,
         num_warps=DECIDE_WARPS,
