@@ -562,7 +562,8 @@ class FreeTokenRuntime:
                 )
         layout = self._plan_layout(new_slots)
         old_layout, old_slots = old.layout, old.num_slots
-        everything = kept_experts(old.residency, old.residency.num_slots, self.num_experts)  # MRU first
+        # most recently used first
+        everything = kept_experts(old.residency, old.residency.num_slots, self.num_experts)
         clock = int(old.residency.clock.item())
         last_use = old.residency.last_use.clone()
         saved = self._serving_state()
