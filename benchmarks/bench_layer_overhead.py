@@ -5,8 +5,9 @@
 The Qwen3-30B-A3B MoE shape by default (E=128, top-8, hidden 2048, expert 768, bf16), every
 routed expert resident in a cache of ``layers * E`` slots. Each variant is captured as one
 graph of ``--calls`` layer calls (ordinals cycling over the layers) and replayed; the table
-gives microseconds per layer call at each batch size, and each variant's excess over stock
-SGLang's ``fused_experts`` on the layer's own ``[E, ...]`` weights:
+gives microseconds per layer call at each batch size, and for whole MoE calls (stock,
+resident, slots, lru) the excess over stock SGLang's ``fused_experts`` on the layer's own
+``[E, ...]`` weights:
 
 - ``stock``: SGLang's ``fused_experts``;
 - ``resident``: the resident executor's call (the layer's slice of the slot banks, no remap);
@@ -149,13 +150,13 @@ def main(argv=None) -> int:
         got = {name: per_call_us(fn, a.calls, a.reps) for name, fn in variants.items()}
         for conf in (x for x in a.decide_configs.split(",") if x):
             block, warps = (int(v) for v in conf.split("x"))
-            k = residency_kernels
-            default = k.DECIDE_BLOCK, k.DECIDE_WARPS
-            k.DECIDE_BLOCK, k.DECIDE_WARPS = block, warps
+            kern = residency_kernels
+            default = kern.DECIDE_BLOCK, kern.DECIDE_WARPS
+            kern.DECIDE_BLOCK, kern.DECIDE_WARPS = block, warps
             try:
                 got[f"decide@{conf}"] = per_call_us(variants["decide"], a.calls, a.reps)
             finally:
-                k.DECIDE_BLOCK, k.DECIDE_WARPS = default
+                kern.DECIDE_BLOCK, kern.DECIDE_WARPS = default
         rows[T] = got
         print(json.dumps({"batch": T, **{n: round(v, 2) for n, v in got.items()}}), flush=True)
     assert int(counters[2].sum()) == 0, "an all-hit benchmark filled experts"

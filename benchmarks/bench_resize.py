@@ -108,30 +108,29 @@ def min_free_check(url: str, load, gib: float, squeeze_gib: float, wait_s: float
     """``--freetoken-min-free-gb``: another process takes ``squeeze_gib`` of the free memory
     (the watch has already brought free memory to G beyond SGLang's reserve), so the cache
     must shrink; the process exits, and the cache must grow back to within one grow step
-    (``cache.resize.min_free_target``'s hysteresis) of where it was."""
-    def cache():
-        return requests.get(url + "/freetoken/stats", timeout=60).json()["cache"]
+    (``cache.resize.min_free_target``'s band; the step as ``FreeTokenRuntime.watch_free_memory``
+    computes it) of where it was."""
+    def stats():
+        return requests.get(url + "/freetoken/stats", timeout=60).json()
 
     # the watch may already have resized at start (G beyond SGLang's reserve): wait until
     # the size holds still for 3 s
-    t_settle, last = time.monotonic(), cache()["slots"]
+    t_settle, doc = time.monotonic(), stats()
     while time.monotonic() - t_settle < wait_s:
         time.sleep(3.0)
-        now = cache()["slots"]
-        if now == last:
+        last, doc = doc, stats()
+        if doc["cache"]["slots"] == last["cache"]["slots"]:
             break
-        last = now
-    doc = requests.get(url + "/freetoken/stats", timeout=60).json()
     start = doc["cache"]
     before = smi()
     if not before:
         raise SystemExit("--min-free-gib needs a CUDA GPU and nvidia-smi")
-    take = squeeze_gib
     row = {"min_free_gib": gib, "slots_before": start["slots"], "smi_before": before,
-           "taken_gib": round(take, 2), "settled_s": round(time.monotonic() - t_settle, 2),
+           "taken_gib": round(squeeze_gib, 2),
+           "settled_s": round(time.monotonic() - t_settle, 2),
            "last_resize_before": start.get("last_resize")}
     t0 = time.monotonic()
-    hog = hold_elsewhere(take)
+    hog = hold_elsewhere(squeeze_gib)
     row["smi_held"] = smi()
     # the shrink the taken memory causes: at least half of it in slots (a drift of a slot or
     # two is not it)
