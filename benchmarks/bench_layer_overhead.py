@@ -17,7 +17,11 @@ resident, slots, lru) the excess over stock SGLang's ``fused_experts`` on the la
 - ``lru``: the decode executor's whole all-hit call under the fill policy (decide, fill,
   slots);
 - ``decide@BxW`` (``--decide-configs``): the decision kernel with loops of B routed entries
-  and W warps.
+  and W warps;
+- ``decide-miss`` (and ``decide-miss@BxW``): the decision kernel when every routed expert
+  misses and is filled: the calls cycle over 48 layers through an LRU of ``--miss-slots``
+  slots smaller than their working set, so each call evicts and plans top-k (bs1) to
+  ``T*k`` fills (the fills themselves are not run).
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decide-configs", default="",
                     help="also time the decision kernel with these BLOCKxWARPS configs "
                          "(e.g. 16x1,16x4,64x1)")
+    ap.add_argument("--miss-slots", type=int, default=256,
+                    help="slots of the all-miss decision variant (fewer than 48 x top-k)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
@@ -109,6 +115,11 @@ def main(argv=None) -> int:
     state = ResidencyState(S, S, dev)
     state.make_all_resident()
     counters = torch.zeros(5, L, dtype=torch.int64, device=dev)
+    LM = 48  # the all-miss variant's layers: 48 * top-k distinct experts per pass > its slots
+    if a.miss_slots >= LM * k:
+        ap.error(f"--miss-slots must be below {LM * k} (48 layers x top-k) for every call to miss")
+    miss_state = ResidencyState(LM * E, a.miss_slots, dev)
+    miss_counters = torch.zeros(5, LM, dtype=torch.int64, device=dev)
     cfg = MoeRunnerConfig(num_experts=E, num_local_experts=E, hidden_size=H,
                           intermediate_size_per_partition=I, top_k=k, params_dtype=bf16,
                           activation="silu", inplace=False)
@@ -146,8 +157,12 @@ def main(argv=None) -> int:
                                               [slots[n] for n in names], src, src, count),
             "remap": lambda i: remap_expert_ids_(expert_ids, state.layer_slots(i % L, E)),
             "lru": lru,
+            "decide-miss": lambda i: decide(miss_state, miss_counters, i % LM, E, ids, w,
+                                            num_valid),
         }
         got = {name: per_call_us(fn, a.calls, a.reps) for name, fn in variants.items()}
+        reads, hits = int(miss_counters[0].sum()), int(miss_counters[1].sum())
+        assert reads > 0 and hits == 0, f"the all-miss variant hit {hits} of {reads} reads"
         for conf in (x for x in a.decide_configs.split(",") if x):
             block, warps = (int(v) for v in conf.split("x"))
             kern = residency_kernels
@@ -155,6 +170,8 @@ def main(argv=None) -> int:
             kern.DECIDE_BLOCK, kern.DECIDE_WARPS = block, warps
             try:
                 got[f"decide@{conf}"] = per_call_us(variants["decide"], a.calls, a.reps)
+                got[f"decide-miss@{conf}"] = per_call_us(variants["decide-miss"], a.calls,
+                                                         a.reps)
             finally:
                 kern.DECIDE_BLOCK, kern.DECIDE_WARPS = default
         rows[T] = got
