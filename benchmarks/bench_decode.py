@@ -284,17 +284,23 @@ def table(results: List[Dict[str, object]]) -> str:
 def roofline(results: List[Dict[str, object]], new_tokens: int, repeats: int,
              expert_bytes: float, bandwidth: Optional[dict] = None) -> str:
     """Markdown table of each ``--cache-ratios`` cell against its roofline bound (issue 14):
-    the all-hit step time (the same system's cell at ratio 1.0) plus the step's missed bytes
-    over max(B_P, B_H). Since the resident executor (session 16) the 1.0 cell runs stock
-    SGLang's MoE, so the LRU path's fixed cost per layer call now counts against a cell's
-    ratio; bounds before it used the LRU path at 100% hits. Steps per window: ``repeats * (new_tokens - 1)`` at batch 1 and
+    the all-hit step time (the same system's cell at ratio 1.0, else the first system without
+    cells, stock SGLang, in these results: the "all-hit from" column says which) plus the
+    step's missed bytes over max(B_P, B_H). Since the resident executor (session 16) the 1.0
+    cell runs stock SGLang's MoE, so the LRU path's fixed cost per layer call now counts
+    against a cell's ratio; bounds before it used the LRU path at 100% hits. Steps per
+    window: ``repeats * (new_tokens - 1)`` at batch 1 and
     ``new_tokens - 1`` at batch 4 (the first token of a request comes from its prefill).
     B_P, B_H: the system's own measurement, else ``bandwidth`` (another system's)."""
     lines = ["| system | cache | bs1 tok/s | bs1 bound | bs1 / bound | bs4 tok/s | bs4 bound "
-             "| bs4 / bound |", "|---|---|---|---|---|---|---|---|"]
+             "| bs4 / bound | all-hit from |", "|---|---|---|---|---|---|---|---|---|"]
+    stock = next((r for r in results if not r.get("by_ratio") and r.get("bs1_decode_tok_s")),
+                 None)
     for r in results:
         cells = {c["ratio"]: c for c in r.get("by_ratio") or [] if c.get("resize_status") == 200}
-        full = cells.get(1.0)
+        full, source = cells.get(1.0), f"{r['label']}@1"
+        if not full and cells and stock:
+            full, source = stock, stock["label"]
         bw = ((r.get("freetoken") or {}).get("bandwidth") or bandwidth)
         if not full or not bw:
             continue
@@ -311,7 +317,7 @@ def roofline(results: List[Dict[str, object]], new_tokens: int, repeats: int,
                 t_step = per_step / t_hit + (w["reads"] - w["hits"]) / steps * expert_bytes / b
                 bound = per_step / t_step
                 row += [f"{got:.2f}", f"{bound:.2f}", f"{got / bound:.3f}"]
-            lines.append("| " + " | ".join(row) + " |")
+            lines.append("| " + " | ".join(row + [source]) + " |")
     return "\n".join(lines)
 
 
