@@ -17,7 +17,7 @@ from typing import Dict, Optional
 import torch
 
 from freetoken_sglang import families
-from freetoken_sglang.cache.layout import SlotLayout, plan_layout
+from freetoken_sglang.cache.layout import RESIDENT, SlotLayout, plan_layout
 from freetoken_sglang.cache.residency import FILL_ALL, MissSplit
 from freetoken_sglang.cache.slots import CacheSize, ExpertCache, resolve_num_slots
 from freetoken_sglang.config import SERVER_ARGS_ATTR, FreeTokenConfig
@@ -650,6 +650,9 @@ class FreeTokenRuntime:
 
         self.cache = self._new_cache(layout)
         self._start_executors()
+        if self.anchors is not None:
+            self.anchors.follow_experts(self.choice.backend == "gpu"
+                                        and self.choice.layout_kind == RESIDENT)
         recaptured = self._recapture_graphs(graphs)
         if not self.cache.all_resident:
             install(self.cache.residency, self.cache.filler, everything[: layout.lru_slots],

@@ -72,6 +72,24 @@ def test_anchor_cuts_follow_the_mode_and_where_the_experts_are():
         resolve_mode("sometimes", experts_on_gpu=True)
 
 
+def test_anchor_cuts_follow_a_resize_under_auto_only():
+    from freetoken_sglang.anchors.book import Anchors
+
+    auto = Anchors(["<a>"], [(1,)], 32, None)
+    auto.follow_experts(True)  # not attached yet: nothing to follow
+    assert auto.mode == "on"
+    auto.attach(object(), 64, 8, 1000, experts_on_gpu=False)
+    assert auto.mode == "inside"
+    auto.follow_experts(True)  # a resize made every expert resident
+    assert auto.mode == "on"
+    auto.follow_experts(False)  # and a shrink moved them off again
+    assert auto.mode == "inside"
+    fixed = Anchors(["<a>"], [(1,)], 32, None, cuts="on")
+    fixed.attach(object(), 64, 8, 1000, experts_on_gpu=False)
+    fixed.follow_experts(False)
+    assert fixed.mode == "on"
+
+
 def test_anchor_budget_must_fit_the_mamba_pool():
     from freetoken_sglang.anchors.book import Anchors, default_budget
 

@@ -114,6 +114,20 @@ class Anchors:
             max_running_requests, kv_tokens // 2,
         )
 
+    def follow_experts(self, experts_on_gpu: bool) -> None:
+        """Resolve ``--freetoken-anchor-cuts auto`` again after a cache resize moved the
+        experts onto or off the GPU (``FreeTokenRuntime.resize_cache``); applies from the next
+        batch (both modes keep the same positions, ``plan_for``). Logged when it changes."""
+        if self.states is None or self.cuts_mode != "auto":
+            return
+        mode = resolve_mode(self.cuts_mode, experts_on_gpu)
+        if mode != self.mode:
+            logger.info(
+                "FreeToken anchors: every routed expert %s the GPU after the resize: anchor "
+                "states now %s", "on" if experts_on_gpu else "no longer all on",
+                "at prefill chunk ends" if mode == "on" else "taken inside the prefill forward")
+            self.mode = mode
+
     def positions(self, ids: Sequence[int]):
         """Marker positions of the prompt ``ids``."""
         return find_markers(ids, self.ids)
