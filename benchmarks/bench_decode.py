@@ -281,12 +281,21 @@ def table(results: List[Dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def is_stock(result: Dict[str, object]) -> bool:
+    """Whether a result is stock SGLang with every expert on the GPU: neither FreeToken nor
+    SGLang's ``--cpu-offload-gb``."""
+    flags = str(result.get("flags", "")).split()
+    return "--enable-freetoken" not in flags and not any(
+        f.startswith("--cpu-offload-gb") for f in flags)
+
+
 def roofline(results: List[Dict[str, object]], new_tokens: int, repeats: int,
              expert_bytes: float, bandwidth: Optional[dict] = None) -> str:
     """Markdown table of each ``--cache-ratios`` cell against its roofline bound (issue 14):
-    the all-hit step time (the same system's cell at ratio 1.0, else the first system without
-    cells, stock SGLang, in these results: the "all-hit from" column says which) plus the
-    step's missed bytes over max(B_P, B_H). Since the resident executor (session 16) the 1.0
+    the all-hit step time (the same system's cell at ratio 1.0, else stock SGLang's in these
+    results, ``is_stock``: the "all-hit from" column says which) plus the
+    step's missed bytes over max(B_P, B_H), counted after the GPU's step: misses run on the
+    CPU overlap it, so a cell with CPU work can exceed its "bound". Since the resident executor (session 16) the 1.0
     cell runs stock SGLang's MoE, so the LRU path's fixed cost per layer call now counts
     against a cell's ratio; bounds before it used the LRU path at 100% hits. Steps per
     window: ``repeats * (new_tokens - 1)`` at batch 1 and
@@ -294,8 +303,7 @@ def roofline(results: List[Dict[str, object]], new_tokens: int, repeats: int,
     B_P, B_H: the system's own measurement, else ``bandwidth`` (another system's)."""
     lines = ["| system | cache | bs1 tok/s | bs1 bound | bs1 / bound | bs4 tok/s | bs4 bound "
              "| bs4 / bound | all-hit from |", "|---|---|---|---|---|---|---|---|---|"]
-    stock = next((r for r in results if not r.get("by_ratio") and r.get("bs1_decode_tok_s")),
-                 None)
+    stock = next((r for r in results if is_stock(r) and r.get("bs1_decode_tok_s")), None)
     for r in results:
         cells = {c["ratio"]: c for c in r.get("by_ratio") or [] if c.get("resize_status") == 200}
         full, source = cells.get(1.0), f"{r['label']}@1"

@@ -19,9 +19,9 @@ resident, slots, lru) the excess over stock SGLang's ``fused_experts`` on the la
 - ``decide@BxW`` (``--decide-configs``): the decision kernel with loops of B routed entries
   and W warps;
 - ``decide-miss`` (and ``decide-miss@BxW``): the decision kernel when every routed expert
-  misses and is filled: the calls cycle over 48 layers through an LRU of ``--miss-slots``
-  slots smaller than their working set, so each call evicts and plans top-k (bs1) to
-  ``T*k`` fills (the fills themselves are not run).
+  misses and is filled: each call is its own layer, through an LRU of ``--miss-slots`` slots
+  smaller than the graph's working set (``--calls`` x top-k or more), so each call evicts
+  and plans top-k (bs1) to ``T*k`` fills (the fills themselves are not run).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
                     help="also time the decision kernel with these BLOCKxWARPS configs "
                          "(e.g. 16x1,16x4,64x1)")
     ap.add_argument("--miss-slots", type=int, default=256,
-                    help="slots of the all-miss decision variant (fewer than 48 x top-k)")
+                    help="slots of the all-miss decision variant (fewer than --calls x top-k)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
@@ -115,9 +115,13 @@ def main(argv=None) -> int:
     state = ResidencyState(S, S, dev)
     state.make_all_resident()
     counters = torch.zeros(5, L, dtype=torch.int64, device=dev)
-    LM = 48  # the all-miss variant's layers: 48 * top-k distinct experts per pass > its slots
-    if a.miss_slots >= LM * k:
-        ap.error(f"--miss-slots must be below {LM * k} (48 layers x top-k) for every call to miss")
+    # The all-miss variant: each of the graph's calls is its own layer, so one replay reads
+    # at least calls * top-k distinct experts, more than its slots: LRU misses every read.
+    LM = a.calls
+    max_t = max(int(x) for x in a.batch_sizes.split(","))
+    if not max_t * k <= a.miss_slots < LM * k:
+        ap.error(f"--miss-slots must be at least {max_t * k} (a call's reads) and below "
+                 f"{LM * k} (--calls x top-k) for every call to miss: raise --calls")
     miss_state = ResidencyState(LM * E, a.miss_slots, dev)
     miss_counters = torch.zeros(5, LM, dtype=torch.int64, device=dev)
     cfg = MoeRunnerConfig(num_experts=E, num_local_experts=E, hidden_size=H,
@@ -160,9 +164,8 @@ def main(argv=None) -> int:
             "decide-miss": lambda i: decide(miss_state, miss_counters, i % LM, E, ids, w,
                                             num_valid),
         }
+        miss_counters.zero_()
         got = {name: per_call_us(fn, a.calls, a.reps) for name, fn in variants.items()}
-        reads, hits = int(miss_counters[0].sum()), int(miss_counters[1].sum())
-        assert reads > 0 and hits == 0, f"the all-miss variant hit {hits} of {reads} reads"
         for conf in (x for x in a.decide_configs.split(",") if x):
             block, warps = (int(v) for v in conf.split("x"))
             kern = residency_kernels
@@ -174,6 +177,8 @@ def main(argv=None) -> int:
                                                          a.reps)
             finally:
                 kern.DECIDE_BLOCK, kern.DECIDE_WARPS = default
+        reads, hits = int(miss_counters[0].sum()), int(miss_counters[1].sum())
+        assert reads > 0 and hits == 0, f"bs{T}: the all-miss variant hit {hits} of {reads} reads"
         rows[T] = got
         print(json.dumps({"batch": T, **{n: round(v, 2) for n, v in got.items()}}), flush=True)
     assert int(counters[2].sum()) == 0, "an all-hit benchmark filled experts"

@@ -651,8 +651,7 @@ class FreeTokenRuntime:
         self.cache = self._new_cache(layout)
         self._start_executors()
         if self.anchors is not None:
-            self.anchors.follow_experts(self.choice.backend == "gpu"
-                                        and self.choice.layout_kind == RESIDENT)
+            self.anchors.follow_experts(self.experts_on_gpu)
         recaptured = self._recapture_graphs(graphs)
         if not self.cache.all_resident:
             install(self.cache.residency, self.cache.filler, everything[: layout.lru_slots],
@@ -687,6 +686,12 @@ class FreeTokenRuntime:
         if "prefill" in graphs:
             mr.init_prefill_cuda_graph()
         return list(graphs)
+
+    @property
+    def experts_on_gpu(self) -> bool:
+        """Whether every routed expert is resident on the GPU (the ``resident`` layout of the
+        GPU backend; set once the model loaded, ``finish_load``)."""
+        return self.choice.backend == "gpu" and self.choice.layout_kind == RESIDENT
 
     def note_serving_start(self) -> None:
         """Record the device's free memory once SGLang has allocated its KV pool and captured

@@ -74,12 +74,9 @@ def scheduler_init(result, self, *args, **kwargs):
             "--mamba-radix-cache-strategy no_buffer --disable-overlap-schedule, or "
             "--freetoken-anchors off"
         )
-    from freetoken_sglang.cache.layout import RESIDENT
-
-    choice = rt.choice  # set when the model loaded (FreeTokenRuntime.finish_load)
-    on_gpu = choice.backend == "gpu" and choice.layout_kind == RESIDENT
     an.attach(cache, pool.size, self.max_running_requests, int(self.max_total_num_tokens),
-              experts_on_gpu=on_gpu, linear_layers=len(self.req_to_token_pool.mamba_map))
+              experts_on_gpu=rt.experts_on_gpu,
+              linear_layers=len(self.req_to_token_pool.mamba_map))
     return None
 
 

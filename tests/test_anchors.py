@@ -76,7 +76,7 @@ def test_anchor_cuts_follow_a_resize_under_auto_only():
     from freetoken_sglang.anchors.book import Anchors
 
     auto = Anchors(["<a>"], [(1,)], 32, None)
-    auto.follow_experts(True)  # not attached yet: nothing to follow
+    auto.follow_experts(False)  # not attached yet: nothing to follow
     assert auto.mode == "on"
     auto.attach(object(), 64, 8, 1000, experts_on_gpu=False)
     assert auto.mode == "inside"

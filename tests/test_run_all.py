@@ -738,3 +738,28 @@ def test_expert_pool_gib_counts_fp8_codes_and_scales(tmp_path):
     assert bf16 == 48 * 128 * 3 * 2048 * 768 * 2 / (1 << 30)
     scales = 2 * 6 * 16 + 16 * 6  # w13 [2I/128, H/128], w2 [H/128, I/128]
     assert fp8 == 48 * 128 * (3 * 2048 * 768 + 4 * scales) / (1 << 30)
+
+
+def test_bench_decode_roofline_takes_the_all_hit_step_from_stock_only():
+    """bench_decode.roofline without a 100% cell: the all-hit step is stock's (not a FreeToken
+    server's without cells, not --cpu-offload-gb's), and the bound adds the missed bytes."""
+    import bench_decode
+
+    def server(label, flags, bs1, bs4, cells=None):
+        return {"label": label, "flags": flags, "bs1_decode_tok_s": bs1, "bs4_total_tok_s": bs4,
+                "by_ratio": cells}
+
+    counts = {"reads": 100, "hits": 90}  # 10 misses over 2 * (5 - 1) = 8 steps at bs1
+    cell = {"ratio": 0.25, "resize_status": 200, "bs1_decode_tok_s": 40.0,
+            "bs1_decode_counts": counts, "bs4_decode_tok_s": None}
+    ft = server("ft", "--enable-freetoken", None, None, [cell])
+    results = [server("offload", "--cpu-offload-gb 40", 5.0, 9.0),
+               server("ft-nocells", "--enable-freetoken", 70.0, 90.0), ft,
+               server("stock", "--load-format dummy", 100.0, 300.0)]
+    bw = {"B_P": 50.0, "B_H": 100.0}
+    rows = [r for r in bench_decode.roofline(results, 5, 2, 1e6, bw).splitlines()
+            if r.startswith("| ft |")]
+    t_step = 1 / 100.0 + (10 / 8) * 1e6 / 100e9
+    assert rows == [f"| ft | 0.25 | 40.00 | {1 / t_step:.2f} | {40.0 * t_step:.3f} | - | - | - "
+                    f"| stock |"]
+    assert bench_decode.roofline(results[:3], 5, 2, 1e6, bw).count("| ft |") == 0
