@@ -293,13 +293,13 @@ def roofline(results: List[Dict[str, object]], new_tokens: int, repeats: int,
              expert_bytes: float, bandwidth: Optional[dict] = None) -> str:
     """Markdown table of each ``--cache-ratios`` cell against its roofline bound (issue 14):
     the all-hit step time (the same system's cell at ratio 1.0, else stock SGLang's in these
-    results, ``is_stock``: the "all-hit from" column says which) plus the
-    step's missed bytes over max(B_P, B_H), counted after the GPU's step: misses run on the
-    CPU overlap it, so a cell with CPU work can exceed its "bound". Since the resident executor (session 16) the 1.0
-    cell runs stock SGLang's MoE, so the LRU path's fixed cost per layer call now counts
+    results, ``is_stock``: the "all-hit from" column says which) plus the step's missed bytes
+    over max(B_P, B_H), counted after the GPU's step: misses run on the CPU overlap it, so a
+    cell with CPU work can exceed its "bound". Since the resident executor (session 16) the
+    1.0 cell runs stock SGLang's MoE, so the LRU path's fixed cost per layer call counts
     against a cell's ratio; bounds before it used the LRU path at 100% hits. Steps per
-    window: ``repeats * (new_tokens - 1)`` at batch 1 and
-    ``new_tokens - 1`` at batch 4 (the first token of a request comes from its prefill).
+    window: ``repeats * (new_tokens - 1)`` at batch 1 and ``new_tokens - 1`` at batch 4 (the
+    first token of a request comes from its prefill).
     B_P, B_H: the system's own measurement, else ``bandwidth`` (another system's)."""
     lines = ["| system | cache | bs1 tok/s | bs1 bound | bs1 / bound | bs4 tok/s | bs4 bound "
              "| bs4 / bound | all-hit from |", "|---|---|---|---|---|---|---|---|---|"]

@@ -29,9 +29,10 @@ from freetoken_sglang.cache.residency import (
 )
 
 # Routed entries per step of the decision program's loops, and its warps: one warp over
-# 32 entries took 5.71 us per all-hit call on the H200 at bs1 and bs4, against 11.85-13.63 at
-# 64 entries and 4 warps and 6.91-9.23 at the other blocks and warp counts tried
-# (bench_layer_overhead.py --decide-configs; benchmarks/RESULTS.md, session 17).
+# 32 entries took 5.65-5.71 us per all-hit call on the H200 at bs1 and bs4, against
+# 11.74-13.63 at 64 entries and 4 warps and 6.85-9.23 at the other blocks and warp counts
+# tried, and was the fastest when every expert misses too (bench_layer_overhead.py
+# --decide-configs; benchmarks/RESULTS.md, session 17).
 DECIDE_BLOCK = 32
 DECIDE_WARPS = 1
 _SLOT_BLOCK = 1024
