@@ -164,6 +164,16 @@ class FreeTokenConfig:
             "every miss may be filled.",
         ),
     )
+    fill_reused: str = field(
+        default="off",
+        metadata=dict(
+            type=_choice("off", "on"),
+            help="With --freetoken-miss-policy qstar: on fills every miss whose last use is "
+            "more recent than the least recently used slot's (an expert the CPU served and "
+            "routed to again within the cache's LRU age) and splits the other misses by q*; "
+            "off (default): q* splits every miss, as in the paper.",
+        ),
+    )
     cpu_branch: str = field(
         default="doorbell",
         metadata=dict(
@@ -442,6 +452,7 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
         ineffective += ["miss_policy"] if "miss_policy" in given else []
         ineffective += ["min_free_gb"] if cfg.min_free_gb is not None else []
         ineffective += ["admission"] if cfg.admission != "off" else []
+        ineffective += ["fill_reused"] if "fill_reused" in given else []
         ineffective += ["cpu_branch"] if "cpu_branch" in given else []
         for name in ineffective:
             problems.append(f"{cli_name(name)} has no effect with --freetoken-backend cpu")
@@ -455,6 +466,10 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
             problems.append(
                 "--freetoken-admission is used only by --freetoken-miss-policy qstar (fill "
                 "sends every miss to the cache, cpu never fills)"
+            )
+        if "fill_reused" in given and cfg.miss_policy != "qstar":
+            problems.append(
+                "--freetoken-fill-reused is used only by --freetoken-miss-policy qstar"
             )
         if cfg.cpu_threads is not None and cfg.miss_policy == "fill":
             problems.append(

@@ -18,12 +18,22 @@ filling all ``m`` would; otherwise all ``m`` are filled. ``S`` is one expert's b
 term is measured (``bandwidth.py``), none tuned. Where ``B_H <= B_P`` the CPU has no residual
 bandwidth and every miss is filled, as Eq. 4 degenerates.
 
+The re-miss rule (``--freetoken-fill-reused on``, off by default; beyond the paper):
+an expert the CPU served is not in the cache, so when its routing repeats it misses again,
+and Eq. 4 weighs one call only. A miss is *reused* when its last use is more recent than the
+least recently used slot's: had it been filled then, it would still be resident, so it is
+filled now, and q* splits the other misses. Each expert then runs on the CPU at most once per
+stay within the cache's LRU age. The threshold is the cache's own LRU age, not a tuned
+constant (``cache/residency.py``). Off by default: on the H200 it narrowed q*'s loss to fill
+at high hit rates on dummy routing but lost to the paper's split in every trained-routing cell
+(benchmarks/RESULTS.md, Session 18).
+
 The admission rule (``--freetoken-admission reuse``, beyond the paper): under thrash, LRU fills
 experts that are evicted before their next use. A miss is fillable only if its last use is
 more recent than the least recently used slot's: had it been admitted then, it would still be
 resident, so its reuse distance is within the cache's residency time. The others run on the
-CPU and the cache keeps what it has. The threshold is the cache's own LRU age, not a tuned
-constant; q* still caps the fills (``cache/residency.py``).
+CPU and the cache keeps what it has; q* still caps the fills. With the re-miss rule as well,
+exactly the reused misses are filled.
 
 Layer calls over more than ``SPLIT_MAX_TOKENS`` rows that reach the LRU (prefill chunks that
 do not stream, ``execute/choice.py``) fill every miss in all
@@ -57,6 +67,7 @@ class MissPolicy:
             microseconds (``bandwidth.Bandwidth``); ``None``: unknown, no lone-miss rule.
         expert_bytes: S, one expert's bytes in the pool (needed with ``fixed_us``).
         admission: the admission rule (``qstar`` only).
+        fill_reused: the re-miss rule (``qstar`` only).
 
     Raises:
         ValueError: unknown name, ``qstar`` without positive bandwidths, or ``fixed_us``
@@ -68,6 +79,7 @@ class MissPolicy:
     fixed_us: Optional[Tuple[float, float]] = None
     expert_bytes: int = 0
     admission: bool = False
+    fill_reused: bool = False
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -77,8 +89,9 @@ class MissPolicy:
                 raise ValueError("the qstar miss policy needs positive B_P and B_H")
             if self.fixed_us is not None and self.expert_bytes <= 0:
                 raise ValueError("the lone-miss rule needs the expert's bytes")
-        elif self.admission:
-            raise ValueError("the admission rule needs the qstar miss policy")
+        elif self.admission or self.fill_reused:
+            rule = "admission" if self.admission else "re-miss"
+            raise ValueError(f"the {rule} rule needs the qstar miss policy")
 
     @property
     def decode_split(self) -> MissSplit:
@@ -89,12 +102,14 @@ class MissPolicy:
             return MissSplit(0.0, 0)
         b_p, b_h = self.bandwidth
         if self.fixed_us is None:
-            return MissSplit(b_p / b_h, 1, admit_reuse=self.admission)
+            return MissSplit(b_p / b_h, 1, admit_reuse=self.admission,
+                             fill_reused=self.fill_reused)
         f_p, f_h = self.fixed_us
         fill_us = self.expert_bytes / (b_p * 1e3)  # bytes / (GB/s) in us
         # Beside a saturated link the CPU reads at B_H - B_P (Eq. 2); none left: always fill.
         cpu_us = self.expert_bytes / ((b_h - b_p) * 1e3) if b_h > b_p else UNREACHABLE_US
-        return MissSplit(b_p / b_h, 1, fill_us, cpu_us, f_p, f_h, self.admission)
+        return MissSplit(b_p / b_h, 1, fill_us, cpu_us, f_p, f_h, self.admission,
+                         self.fill_reused)
 
     def split_for(self, num_tokens: int) -> MissSplit:
         """The split of a layer call over ``num_tokens`` rows (prefill-sized calls fill)."""
@@ -102,8 +117,9 @@ class MissPolicy:
 
     def cpu_count(self, num_misses: int) -> int:
         """How many of a decode call's ``num_misses`` misses run on the CPU (0: every miss is
-        filled), for the log and the tests; with the admission rule at least this many (the
-        misses it does not admit run there too)."""
+        filled) when none of them is reused, for the log and the tests; with the admission
+        rule at least this many (the misses it does not admit run there too), with the
+        re-miss rule at most this many (reused misses are filled)."""
         import torch
 
         from freetoken_sglang.cache.residency import fill_count
@@ -115,7 +131,9 @@ class MissPolicy:
         if self.name != "qstar":
             return self.name
         b_p, b_h = self.bandwidth
-        text = "qstar with the admission rule (reuse) " if self.admission else "qstar "
+        rules = [r for r, on in (("the admission rule (reuse)", self.admission),
+                                 ("the re-miss rule", self.fill_reused)) if on]
+        text = "qstar with " + " and ".join(rules) + " " if rules else "qstar "
         text += f"(B_P {b_p:.1f} GB/s, B_H {b_h:.1f} GB/s, q*/m = B_P/B_H = {b_p / b_h:.3f}"
         if self.fixed_us is None:
             return text + "; fixed costs unknown: no lone-miss rule)"

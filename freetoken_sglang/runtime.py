@@ -376,6 +376,7 @@ class FreeTokenRuntime:
                 self.bandwidth.fixed_us,
                 self.pool.expert_bytes,
                 admission=self.config.admission == "reuse",
+                fill_reused=self.config.fill_reused == "on",
             )
         else:
             self.policy = MissPolicy("cpu")

@@ -6,8 +6,8 @@ LRU victim for each fill, and writes the fill plan and the CPU work items (paper
 One launch per layer call, no host sync, fixed shapes: decode CUDA graphs capture it. A
 slot's LRU key is ``stamp * S + slot``, so the least recently used slot is simply the
 smallest key; a chosen victim is re-keyed with the current stamp, so the next search skips
-it. Calls with no miss never scan the slots (with the admission rule, a call with misses scans
-them once more for the least recently used stamp). Results are identical to the torch reference
+it. Calls with no miss never scan the slots (with the admission or the re-miss rule, a call
+with misses scans them once more for the least recently used stamp). Results are identical to the torch reference
 in ``freetoken_sglang/cache/residency.py``.
 """
 
@@ -70,6 +70,7 @@ def _decide_kernel(
     BLOCK: tl.constexpr,
     SLOT_BLOCK: tl.constexpr,
     ADMIT: tl.constexpr,  # the admission rule (MissSplit.admit_reuse)
+    REFILL: tl.constexpr,  # the re-miss rule (MissSplit.fill_reused)
 ):
     e = tl.arange(0, E_PAD)
     nv = tl.load(num_valid_ptr)
@@ -86,11 +87,7 @@ def _decide_kernel(
     res = tl.load(res_ptr + base + e, mask=em, other=-1)
     hit = (used > 0) & (res >= 0) & em
     miss = (used > 0) & (res < 0) & em
-    missi = miss.to(tl.int32)
-    n_miss = tl.sum(missi, axis=0)
-    # q of the split (rounding and the lone-miss rule), computed once on the host in double
-    # precision (``fill_count``): the kernel's own float scalars would be fp32.
-    q = tl.load(q_table_ptr + n_miss)
+    n_miss = tl.sum(miss.to(tl.int32), axis=0)
     n_hit = tl.sum(hit.to(tl.int32), axis=0)
     now = tl.load(clock_ptr) + 1
     tl.store(clock_ptr, now)
@@ -100,21 +97,37 @@ def _decide_kernel(
     tl.store(key_ptr + slot, now * S + slot, mask=hit)
     tl.debug_barrier()
     last = tl.load(last_use_ptr + base + e, mask=em, other=0)
-    if ADMIT:
-        # Misses used more recently than the least recently used slot may be filled (its
-        # stamp is -1 while a slot is empty: every miss). No miss: no scan (S * 0 loops).
+    if ADMIT or REFILL:
+        # Reused misses: used more recently than the least recently used slot (its stamp is
+        # -1 while a slot is empty: every miss). No miss: no scan (S * 0 loops).
         kmin = tl.load(key_ptr)
         for s0 in range(0, S * (n_miss > 0).to(tl.int32), SLOT_BLOCK):
             so = s0 + tl.arange(0, SLOT_BLOCK)
             keys = tl.load(key_ptr + so, mask=so < S, other=now * S + S)
             kmin = tl.minimum(kmin, tl.min(keys, axis=0))
         oldest = (kmin - ((kmin % S) + S) % S) // S
-        eligible = miss & (last > oldest)
+        reused = miss & (last > oldest)
     else:
-        eligible = miss
-    rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
-    q = tl.minimum(q, tl.sum(eligible.to(tl.int32), axis=0))
-    cpu = miss & ((rank >= q) | (eligible == 0))
+        reused = miss & (e < 0)
+    # The re-miss rule fills every reused miss; the q* split runs over the other misses.
+    if REFILL:
+        forced = reused
+    else:
+        forced = miss & (e < 0)
+    rest = miss & (forced == 0)
+    if ADMIT:
+        eligible = rest & reused
+    else:
+        eligible = rest
+    # q of the split (rounding and the lone-miss rule), computed once on the host in double
+    # precision (``fill_count``): the kernel's own float scalars would be fp32.
+    q_rest = tl.load(q_table_ptr + tl.sum(rest.to(tl.int32), axis=0))
+    q_rest = tl.minimum(q_rest, tl.sum(eligible.to(tl.int32), axis=0))
+    erank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
+    fillm = forced | (eligible & (erank < q_rest))
+    q = tl.sum(fillm.to(tl.int32), axis=0)
+    rank = tl.cumsum(fillm.to(tl.int32), axis=0) - 1
+    cpu = miss & (fillm == 0)
     n_cpu = tl.sum(cpu.to(tl.int32), axis=0)
     n_evict = n_miss * 0
     tl.debug_barrier()
@@ -127,8 +140,8 @@ def _decide_kernel(
             keys = tl.load(key_ptr + so, mask=so < S, other=now * S + S)
             kmin = tl.minimum(kmin, tl.min(keys, axis=0))
         v = ((kmin % S) + S) % S
-        # The i-th fillable miss, in expert order.
-        ex = tl.sum(tl.where(eligible & (rank == i), e, 0), axis=0)
+        # The i-th filled miss, in expert order.
+        ex = tl.sum(tl.where(fillm & (rank == i), e, 0), axis=0)
         flat = base + ex
         old = tl.load(owner_ptr + v)
         tl.store(res_ptr + tl.maximum(old, 0), -1, mask=old >= 0)
@@ -262,6 +275,7 @@ def decide_triton(
         BLOCK=DECIDE_BLOCK,
         SLOT_BLOCK=_SLOT_BLOCK,
         ADMIT=bool(split.admit_reuse) and state.num_slots > 0,
+        REFILL=bool(split.fill_reused) and state.num_slots > 0,
         num_warps=DECIDE_WARPS,
     )
     return LayerDecision(plan, ids_out, work)

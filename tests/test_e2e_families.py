@@ -1,7 +1,7 @@
 """End to end on the CPU-run SGLang: a server with ``--enable-freetoken`` and a cache of 25%
 of the expert pool gives the same greedy tokens as stock SGLang (fp32) for every supported
-family and every miss policy (fill, qstar, cpu, and qstar with the admission rule), through /generate, the OpenAI completion
-and chat endpoints and the Anthropic messages endpoint, including 8 concurrent requests of
+family and every miss policy (fill, qstar, cpu, and qstar with the admission and re-miss
+rules), through /generate, the OpenAI completion and chat endpoints and the Anthropic messages endpoint, including 8 concurrent requests of
 different lengths (in one batch request); prefill chunks of 64 tokens, so that the longer prompts stream their
 layers (full-layer prefill buffers) over several chunks while decode goes through the LRU;
 mixed chunked prefill too; the pure-CPU backend does too; and the tokens equal
@@ -156,9 +156,10 @@ POLICIES = {
     "qstar": ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40,0,0",
               "--freetoken-prefill-buffers", "reserved"],
     "cpu": ["--freetoken-miss-policy", "cpu"],
-    # q* with the admission rule: misses not used since the LRU slot's last use run on the CPU
+    # q* with the admission and the re-miss rules: exactly the misses used since the LRU
+    # slot's last use are filled, the others run on the CPU
     "qstar-admit": ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40",
-                    "--freetoken-admission", "reuse"],
+                    "--freetoken-admission", "reuse", "--freetoken-fill-reused", "on"],
 }
 
 # The admission variant runs on two families of different routing (softmax top-k without
@@ -246,6 +247,7 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
         total = stats["total"]
         assert stats["miss_policy"] == policy
         assert stats["admission"] == ("reuse" if variant == "qstar-admit" else "off")
+        assert stats["fill_reused"] == ("on" if variant == "qstar-admit" else "off")
         assert stats["cache"]["slots"] == stats["pool"]["experts"] // 4
         assert stats["cache"]["layout"] == "stream"
         buffers = "reserved" if variant == "qstar" else "borrowed"

@@ -39,11 +39,14 @@ def test_decide_on_cuda_matches_reference():
     for step in range(200):
         T = rng.choice([1, 1, 4, 16, 300])
         layer = rng.randrange(L)
-        # small calls: q* alone, or with the lone-miss rule's cost check (fixed 10/500 us)
+        # small calls: q* alone, or with the lone-miss rule's cost check (fixed 10/500 us), the
+        # admission rule, the re-miss rule
         costed = MissSplit(0.6, 1, 200.0, 100.0, 10.0, 500.0)
         admit = MissSplit(0.6, 1, admit_reuse=True)
-        split = (rng.choice([MissSplit(0.6, 1), MissSplit(0.7, 1), costed, admit]) if T <= 16
-                 else MissSplit(1.0, 0))
+        refill = MissSplit(0.4, 1, 200.0, 100.0, 10.0, 500.0, fill_reused=True)
+        both = MissSplit(0.6, 1, admit_reuse=True, fill_reused=True)
+        split = (rng.choice([MissSplit(0.6, 1), MissSplit(0.7, 1), costed, admit, refill, both])
+                 if T <= 16 else MissSplit(1.0, 0))
         ids = torch.tensor([rng.sample(range(E), k) for _ in range(T)], dtype=torch.int32)
         w = torch.rand(T, k)
         nv = torch.tensor([rng.randint(1, T)], dtype=torch.int32)

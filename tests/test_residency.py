@@ -24,7 +24,12 @@ from freetoken_sglang.cache.residency import (
 COSTED = MissSplit(0.25, 1, 200.0, 100.0, 10.0, 500.0)
 # The admission rule: only misses used since the least recently used slot's last use fill.
 ADMIT = MissSplit(0.6, 1, admit_reuse=True)
-SPLITS = [FILL_ALL, MissSplit(0.6, 1), MissSplit(0.25, 1), MissSplit(0.0, 0), COSTED, ADMIT]
+# The re-miss rule (every miss used since that slot's last use fills, q* splits the others),
+# alone, with the cost check, and with admission.
+REFILL = MissSplit(0.25, 1, fill_reused=True)
+SPLITS = [FILL_ALL, MissSplit(0.6, 1), MissSplit(0.25, 1), MissSplit(0.0, 0), COSTED, ADMIT,
+          REFILL, MissSplit(0.25, 1, 200.0, 100.0, 10.0, 500.0, fill_reused=True),
+          MissSplit(0.6, 1, admit_reuse=True, fill_reused=True)]
 
 
 class ReferenceLRU:
@@ -46,20 +51,21 @@ class ReferenceLRU:
         flat = [layer * self.E + e for e in used]
         hits = [f for f in flat if f in self.slot_of]
         misses = [f for f in flat if f not in self.slot_of]
-        m = len(misses)
+        for f in hits:
+            self.stamp[self.slot_of[f]] = self.clock
+        oldest = min(self.stamp) if self.S else 0  # -1 while a slot is empty
+        reused = [f for f in misses if self.last_use[f] > oldest]
+        forced = reused if split.fill_reused else []
+        rest = [f for f in misses if f not in forced]
+        m = len(rest)
         q = min(m, max(split.min_fill, int(m * split.fill_ratio + 0.5)))
         c = m - q
         if split.cpu_us > 0 and c > 0 and (
             split.cpu_fixed_us + c * split.cpu_us >= split.fill_fixed_us + m * split.fill_us
         ):
             q = m  # the CPU branch would end after filling all m: fill them
-        for f in hits:
-            self.stamp[self.slot_of[f]] = self.clock
-        fillable = misses
-        if split.admit_reuse:
-            oldest = min(self.stamp)  # -1 while a slot is empty
-            fillable = [f for f in misses if self.last_use[f] > oldest]
-        to_fill = fillable[:q]
+        fillable = [f for f in rest if f in reused] if split.admit_reuse else rest
+        to_fill = sorted(forced + fillable[:q])
         to_cpu = [f for f in misses if f not in to_fill]
         q = len(to_fill)
         order = sorted(range(self.S), key=lambda s: (self.stamp[s], s))
@@ -116,7 +122,7 @@ def random_call(rng, layer, E, k, T):
     return ids, weights
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(len(SPLITS)))
 def test_decide_matches_reference_lru(seed):
     rng = random.Random(seed)
     L, E, k = rng.choice([(3, 8, 2), (4, 16, 4), (2, 12, 3)])
@@ -233,6 +239,39 @@ def test_admission_keeps_the_cache_under_a_cyclic_scan(use_kernel):
             check_invariants(state, E)
         assert counters[:, 0].tolist() == want, split  # reads, hits, fills, evictions, cpu
         assert state.last_use.tolist() == [16, 17, 18, 19, 20]
+
+
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])
+@pytest.mark.parametrize("fill_reused", [False, True])
+def test_remiss_rule_fills_an_expert_the_cpu_served(use_kernel, fill_reused):
+    # One layer, 2 slots, a split that sends every other miss to the CPU. Call 1 fills both
+    # empty slots with the rule (every miss is reused while a slot is empty); call 2's misses
+    # were never used: the CPU. Call 3 misses expert 2 again, used since the oldest slot's last
+    # use: the rule fills it (evicting expert 0, the least recently used); expert 4 stays on
+    # the CPU. Without the rule nothing is ever filled.
+    from freetoken_sglang.cache.residency import decide_reference
+
+    run = decide_reference
+    if use_kernel:
+        from freetoken_sglang.kernels.residency import decide_triton as run
+    split = MissSplit(0.0, 0, fill_reused=fill_reused)
+    state = ResidencyState(8, 2, "cpu")
+    counters = torch.zeros(5, 1, dtype=torch.int64)
+    fills, cpu = [], []
+    for ids in ([0, 1], [2, 3], [4, 2]):
+        d = run(state, counters, 0, 8, torch.tensor([ids], dtype=torch.int32),
+                torch.ones(1, 2), torch.tensor([1], dtype=torch.int32), split)
+        n, c = int(d.plan.count), int(d.cpu.count)
+        fills.append(list(zip(d.plan.src[:n].tolist(), d.plan.dst[:n].tolist())))
+        cpu.append(d.cpu.experts[:c].tolist())
+    if fill_reused:
+        assert fills == [[(0, 0), (1, 1)], [], [(2, 0)]]
+        assert cpu == [[], [2, 3], [4]]
+        assert state.residency[:8].tolist() == [-1, 1, 0, -1, -1, -1, -1, -1]
+    else:
+        assert fills == [[], [], []]
+        assert cpu == [[0, 1], [2, 3], [4, 2]]
+    assert counters[:, 0].tolist() == ([6, 0, 3, 1, 3] if fill_reused else [6, 0, 0, 0, 6])
 
 
 def test_q_table_entries_are_fill_count():

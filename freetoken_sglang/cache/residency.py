@@ -42,9 +42,12 @@ class MissSplit:
     filled. Times in microseconds: per expert over PCIe (``fill_us``) and on the CPU beside a
     saturated link (``cpu_us``), and each branch's fixed cost per layer call.
 
-    With ``admit_reuse`` (the admission rule, ``miss_policy.py``) only misses whose last use
-    is more recent than the least recently used slot's may be filled (at most q of them, in
-    expert order); the other misses run on the CPU and leave the cache as it is."""
+    A miss is *reused* when its last use is more recent than the least recently used slot's
+    (every miss while a slot is empty). With ``fill_reused`` (the re-miss rule,
+    ``miss_policy.py``) every reused miss is filled, and ``q`` above is taken over the other
+    misses only. With ``admit_reuse`` (the admission rule) only reused misses may be filled (at
+    most q of them, in expert order); the other misses run on the CPU and leave the cache as it
+    is. With both, exactly the reused misses are filled."""
 
     fill_ratio: float = 1.0
     min_fill: int = 0
@@ -53,6 +56,7 @@ class MissSplit:
     fill_fixed_us: float = 0.0
     cpu_fixed_us: float = 0.0
     admit_reuse: bool = False
+    fill_reused: bool = False
 
 
 FILL_ALL = MissSplit(1.0, 0)
@@ -259,7 +263,6 @@ def decide_reference(
     layer_res = state.layer_slots(ordinal, E)
     hit = used & (layer_res >= 0)
     miss = used & (layer_res < 0)
-    q = fill_count(miss.sum().int(), split)
 
     state.clock.add_(1)
     now = state.clock  # [1]
@@ -270,16 +273,21 @@ def decide_reference(
     key_ext.index_copy_(0, hit_slot, now * S + hit_slot)
     state.key.copy_(key_ext[:S])
 
-    # Which misses may be filled: all, or (admission) those used more recently than the
-    # least recently used slot (stamp -1 while a slot is empty: every miss).
+    # Reused misses: used more recently than the least recently used slot (stamp -1 while a
+    # slot is empty: every miss). The re-miss rule fills them all; the q* split, over the
+    # other misses, may fill all of those or (admission) only reused ones.
     layer_last = state.last_use[base : base + E]
-    if split.admit_reuse and S > 0:
+    if (split.admit_reuse or split.fill_reused) and S > 0:
         oldest = torch.div(state.key.min(), S, rounding_mode="floor")
-        eligible = miss & (layer_last > oldest)
+        reused = miss & (layer_last > oldest)
     else:
-        eligible = miss
-    rank = torch.cumsum(eligible.int(), 0) - 1
-    fill = eligible & (rank < q)
+        reused = torch.zeros_like(miss)
+    forced = reused if split.fill_reused else torch.zeros_like(miss)
+    rest = miss & ~forced
+    eligible = rest & reused if split.admit_reuse else rest
+    q = torch.minimum(fill_count(rest.sum().int(), split), eligible.sum().int())
+    fill = forced | (eligible & (torch.cumsum(eligible.int(), 0) - 1 < q))
+    rank = torch.cumsum(fill.int(), 0) - 1
     cpu = miss & ~fill
 
     # The K least recently used slots, oldest first (keys are unique).

@@ -76,6 +76,7 @@ def stats_document(rt) -> Dict[str, object]:
     out["backend"] = rt.backend
     out["miss_policy"] = rt.policy.name if rt.policy else None
     out["admission"] = "reuse" if rt.policy is not None and rt.policy.admission else "off"
+    out["fill_reused"] = "on" if rt.policy is not None and rt.policy.fill_reused else "off"
     if rt.choice is not None:
         out["prefill_mode"] = {
             "mode": rt.choice.prefill,
