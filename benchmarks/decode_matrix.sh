@@ -6,7 +6,8 @@
 # RATIOS: decreasing, comma-separated (default 1.0,0.5,0.25,0.1). TRACE: replay a routing
 # trace's decode rows into the MoE layers (--freetoken-replay-routing; e.g. the trained router's
 # benchmarks/results/h200-2026-12-03-s14/train/tr/trace_W4.npz). POLICIES: default
-# "fill qstar cpu". NO_STOCK=1 leaves stock out. Each server takes 1.5-3 minutes to start on a
+# "fill qstar cpu"; an entry LABEL=POLICY,FLAG,VALUE... adds server flags (e.g.
+# qstar-paper=qstar,--freetoken-fill-reused,off). NO_STOCK=1 leaves stock out. Each server takes 1.5-3 minutes to start on a
 # fresh machine plus about 30 s per ratio: split the policies over calls of 10 minutes.
 set -euo pipefail
 out=${1:?usage: decode_matrix.sh OUT_DIR [RATIOS] [TRACE.npz] [POLICIES]}
@@ -18,7 +19,9 @@ replay=""
 systems=()
 [ "${NO_STOCK:-0}" = 1 ] || systems+=(--system stock:)
 for p in $policies; do
-  systems+=(--system "ft-${p}:--enable-freetoken,--freetoken-cache-ratio,1.0,--freetoken-miss-policy,${p}${replay}")
+  label=${p%%=*}
+  spec=${p#*=}
+  systems+=(--system "ft-${label}:--enable-freetoken,--freetoken-cache-ratio,1.0,--freetoken-miss-policy,${spec}${replay}")
 done
 exec python3 "$(dirname "$0")/bench_decode.py" --new-tokens "${NEW_TOKENS:-64}" --repeats 2 --max-bs 4 \
   --cache-ratios "$ratios" --out-dir "$out" "${systems[@]}"
