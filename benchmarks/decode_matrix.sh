@@ -7,8 +7,9 @@
 # trace's decode rows into the MoE layers (--freetoken-replay-routing; e.g. the trained router's
 # benchmarks/results/h200-2026-12-03-s14/train/tr/trace_W4.npz). POLICIES: default
 # "fill qstar cpu"; an entry LABEL=POLICY,FLAG,VALUE... adds server flags (e.g.
-# qstar-paper=qstar,--freetoken-fill-reused,off). NO_STOCK=1 leaves stock out. Each server takes 1.5-3 minutes to start on a
-# fresh machine plus about 30 s per ratio: split the policies over calls of 10 minutes.
+# qstar-rule=qstar,--freetoken-fill-reused,on). NO_STOCK=1 leaves stock out. Each server takes
+# 1.5-3 minutes to start on a fresh machine plus about 30 s per ratio: split the policies over
+# calls of 10 minutes.
 set -euo pipefail
 out=${1:?usage: decode_matrix.sh OUT_DIR [RATIOS] [TRACE.npz] [POLICIES]}
 ratios=${2:-1.0,0.5,0.25,0.1}
@@ -21,7 +22,8 @@ systems=()
 for p in $policies; do
   label=${p%%=*}
   spec=${p#*=}
-  systems+=(--system "ft-${label}:--enable-freetoken,--freetoken-cache-ratio,1.0,--freetoken-miss-policy,${spec}${replay}")
+  flags="--enable-freetoken,--freetoken-cache-ratio,1.0,--freetoken-miss-policy,${spec}"
+  systems+=(--system "ft-${label}:${flags}${replay}")
 done
 exec python3 "$(dirname "$0")/bench_decode.py" --new-tokens "${NEW_TOKENS:-64}" --repeats 2 --max-bs 4 \
   --cache-ratios "$ratios" --out-dir "$out" "${systems[@]}"

@@ -471,6 +471,11 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
             problems.append(
                 "--freetoken-fill-reused is used only by --freetoken-miss-policy qstar"
             )
+        elif cfg.fill_reused == "on" and cfg.admission != "off":
+            problems.append(
+                "--freetoken-fill-reused on with --freetoken-admission reuse fills exactly the "
+                "reused misses and leaves q* nothing to split: give one of them"
+            )
         if cfg.cpu_threads is not None and cfg.miss_policy == "fill":
             problems.append(
                 "--freetoken-cpu-threads is used only when misses run on the CPU "

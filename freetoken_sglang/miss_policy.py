@@ -26,14 +26,15 @@ filled now, and q* splits the other misses. Each expert then runs on the CPU at 
 stay within the cache's LRU age. The threshold is the cache's own LRU age, not a tuned
 constant (``cache/residency.py``). Off by default: on the H200 it narrowed q*'s loss to fill
 at high hit rates on dummy routing but lost to the paper's split in every trained-routing cell
-(benchmarks/RESULTS.md, Session 18).
+(benchmarks/RESULTS.md, Session 18). The q* split of the other misses does not count the
+forced fills' PCIe time, so it leans towards filling when some misses are reused.
 
 The admission rule (``--freetoken-admission reuse``, beyond the paper): under thrash, LRU fills
 experts that are evicted before their next use. A miss is fillable only if its last use is
 more recent than the least recently used slot's: had it been admitted then, it would still be
 resident, so its reuse distance is within the cache's residency time. The others run on the
-CPU and the cache keeps what it has; q* still caps the fills. With the re-miss rule as well,
-exactly the reused misses are filled.
+CPU and the cache keeps what it has; q* still caps the fills. The two rules exclude each
+other (together they would fill exactly the reused misses, and q* would split nothing).
 
 Layer calls over more than ``SPLIT_MAX_TOKENS`` rows that reach the LRU (prefill chunks that
 do not stream, ``execute/choice.py``) fill every miss in all
@@ -92,6 +93,9 @@ class MissPolicy:
         elif self.admission or self.fill_reused:
             rule = "admission" if self.admission else "re-miss"
             raise ValueError(f"the {rule} rule needs the qstar miss policy")
+        if self.admission and self.fill_reused:
+            raise ValueError("the admission and re-miss rules together leave q* nothing to "
+                             "split: give one of them")
 
     @property
     def decode_split(self) -> MissSplit:
@@ -118,8 +122,7 @@ class MissPolicy:
     def cpu_count(self, num_misses: int) -> int:
         """How many of a decode call's ``num_misses`` misses run on the CPU (0: every miss is
         filled) when none of them is reused, for the log and the tests; with the admission
-        rule at least this many (the misses it does not admit run there too), with the
-        re-miss rule at most this many (reused misses are filled)."""
+        rule at least this many (the misses it does not admit run there too)."""
         import torch
 
         from freetoken_sglang.cache.residency import fill_count
@@ -131,9 +134,8 @@ class MissPolicy:
         if self.name != "qstar":
             return self.name
         b_p, b_h = self.bandwidth
-        rules = [r for r, on in (("the admission rule (reuse)", self.admission),
-                                 ("the re-miss rule", self.fill_reused)) if on]
-        text = "qstar with " + " and ".join(rules) + " " if rules else "qstar "
+        text = ("qstar with the admission rule (reuse) " if self.admission else
+                "qstar with the re-miss rule " if self.fill_reused else "qstar ")
         text += f"(B_P {b_p:.1f} GB/s, B_H {b_h:.1f} GB/s, q*/m = B_P/B_H = {b_p / b_h:.3f}"
         if self.fixed_us is None:
             return text + "; fixed costs unknown: no lone-miss rule)"

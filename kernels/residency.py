@@ -7,8 +7,8 @@ One launch per layer call, no host sync, fixed shapes: decode CUDA graphs captur
 slot's LRU key is ``stamp * S + slot``, so the least recently used slot is simply the
 smallest key; a chosen victim is re-keyed with the current stamp, so the next search skips
 it. Calls with no miss never scan the slots (with the admission or the re-miss rule, a call
-with misses scans them once more for the least recently used stamp). Results are identical to the torch reference
-in ``freetoken_sglang/cache/residency.py``.
+with misses scans them once more for the least recently used stamp). Results are identical to
+the torch reference in ``freetoken_sglang/cache/residency.py``.
 """
 
 from __future__ import annotations

@@ -87,6 +87,8 @@ def test_miss_policy_flags():
         ({"freetoken_bandwidth": "10,20"}, "used only by --freetoken-miss-policy qstar"),
         ({"freetoken_admission": "reuse"}, "--freetoken-admission is used only by"),
         ({"freetoken_fill_reused": "on"}, "--freetoken-fill-reused is used only by"),
+        ({"freetoken_miss_policy": "qstar", "freetoken_fill_reused": "on",
+          "freetoken_admission": "reuse"}, "leaves q\\* nothing to split: give one of them"),
         ({"freetoken_backend": "cpu", "freetoken_fill_reused": "on"},
          "--freetoken-fill-reused has no effect with --freetoken-backend cpu"),
         ({"freetoken_backend": "cpu", "freetoken_admission": "reuse"},

@@ -85,9 +85,11 @@ def test_miss_policies():
     assert "admission rule" in MissPolicy("qstar", (55.0, 110.0), admission=True).describe()
     with pytest.raises(ValueError, match="needs the qstar miss policy"):
         MissPolicy("fill", admission=True)
-    both = MissPolicy("qstar", (55.0, 110.0), admission=True, fill_reused=True)
-    assert both.decode_split == MissSplit(0.5, 1, admit_reuse=True, fill_reused=True)
-    assert "admission rule (reuse) and the re-miss rule" in both.describe()
+    remiss = MissPolicy("qstar", (55.0, 110.0), fill_reused=True)
+    assert remiss.decode_split == MissSplit(0.5, 1, fill_reused=True)
+    assert "re-miss rule" in remiss.describe()
+    with pytest.raises(ValueError, match="leave q\\* nothing to split"):
+        MissPolicy("qstar", (55.0, 110.0), admission=True, fill_reused=True)
     with pytest.raises(ValueError, match="re-miss rule needs the qstar miss policy"):
         MissPolicy("cpu", fill_reused=True)
     with pytest.raises(ValueError, match="expert's bytes"):

@@ -44,6 +44,7 @@ class ReferenceLRU:
         self.clock = 0
         self.last_use = [0] * (num_layers * num_experts)
         self.counts = [[0] * num_layers for _ in range(5)]
+        self.forced = 0  # fills made by the re-miss rule while every slot is in use
 
     def call(self, layer, ids, weights, num_valid, split, scale):
         used = sorted({int(e) for row in ids[:num_valid] for e in row})
@@ -56,6 +57,7 @@ class ReferenceLRU:
         oldest = min(self.stamp) if self.S else 0  # -1 while a slot is empty
         reused = [f for f in misses if self.last_use[f] > oldest]
         forced = reused if split.fill_reused else []
+        self.forced += len(forced) if oldest >= 0 else 0
         rest = [f for f in misses if f not in forced]
         m = len(rest)
         q = min(m, max(split.min_fill, int(m * split.fill_ratio + 0.5)))
@@ -173,6 +175,9 @@ def test_decide_matches_reference_lru(seed):
         assert fills == 0 and cpu > 0
     if 0 < split.fill_ratio < 1:
         assert fills > 0 and cpu > 0
+    # the re-miss rule filled misses beyond the split in a full cache (the kernel runs these
+    # splits against the torch reference in test_triton_kernel_matches_the_torch_reference)
+    assert (ref.forced > 0) == split.fill_reused
 
 
 def test_qstar_split_counts():
