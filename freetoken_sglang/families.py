@@ -60,6 +60,9 @@ SUPPORTED: Dict[str, tuple] = {
     "DeepseekV2ForCausalLM": ("DeepSeek-V2", _deepseek_layers),
     "DeepseekV3ForCausalLM": ("DeepSeek-V3", _deepseek_layers),
     "Glm4MoeForCausalLM": ("GLM-4-MoE", _glm4_moe_layers),
+    # Every GptOssDecoderLayer builds GptOssSparseMoeBlock (models/gpt_oss.py): expert biases,
+    # the clamped swiglu with gemm1_alpha, interleaved gate/up rows.
+    "GptOssForCausalLM": ("GPT-OSS", _all_layers),
     # Hybrid: gated DeltaNet layers interleaved with full attention (HYBRID below). Every
     # layer builds Qwen2MoeSparseMoeBlock (Qwen3HybridLinearDecoderLayer /
     # Qwen3_5LinearDecoderLayer set is_layer_sparse = True unconditionally).
@@ -116,9 +119,9 @@ def quantization_problem(quant) -> Optional[str]:
     served = ", ".join(sorted(QUANTIZATIONS))
     algo = str(q.get("quant_algo") or "").upper()
     if method == "mxfp4":
-        return ("MXFP4 experts (GPT-OSS) are not served yet: the GptOssForCausalLM family and "
-                "an MXFP4 MoE over cache slots are not built (the CPU executor already reads "
-                "MXFP4); serve a BF16 or FP8-block checkpoint")
+        return ("MXFP4 experts (GPT-OSS) are not served yet: an MXFP4 MoE over cache slots "
+                "is not built (the CPU executor already reads MXFP4); serve a BF16 or "
+                "FP8-block checkpoint (GptOssForCausalLM is served in BF16)")
     if method in ("modelopt_fp4", "nvfp4") or (method == "modelopt" and "FP4" in algo):
         return ("NVFP4 experts (ModelOpt FP4) are not served yet: on Hopper GPUs such as the "
                 "H200, SGLang 0.5.17 runs NVFP4 MoE only through its Marlin W4A16 fallback, "

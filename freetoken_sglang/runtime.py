@@ -343,10 +343,26 @@ class FreeTokenRuntime:
         from freetoken_sglang.cpu_executor import CpuExpertExecutor
 
         method = self.layers[self.moe_layer_ids[0]]  # its FreeTokenMoEMethod
+        cfg = method.moe_runner_config
+        # GPT-OSS's swiglu (gemm1_alpha, clamp limit, interleaved gate/up rows), as SGLang's
+        # Triton runner reads them (``triton_utils/fused_moe.py`` in 0.5.17): the layout flag
+        # matters only with gemm1_alpha; without it a gated MLP has gate rows, then up rows.
+        alpha = cfg.gemm1_alpha
+        if alpha is None and (cfg.gemm1_clamp_limit is not None or cfg.swiglu_limit is not None):
+            from freetoken_sglang.families import UnsupportedModelError
+
+            raise UnsupportedModelError(
+                "--enable-freetoken: the CPU expert executor has no clamped-silu activation "
+                "(gemm1_clamp_limit / swiglu_limit without gemm1_alpha); use "
+                "--freetoken-miss-policy fill"
+            )
         self.executor = CpuExpertExecutor(
             self.pool.banks,
-            activation=method.moe_runner_config.activation,
+            activation=cfg.activation,
             num_threads=self.config.cpu_threads,
+            gemm1_alpha=alpha,
+            gemm1_limit=cfg.gemm1_clamp_limit if alpha is not None else None,
+            gate_up_interleaved=bool(cfg.gate_up_interleaved) if alpha is not None else False,
             **method.format.executor_kwargs(method.base_method),
         )
         rows = max_tokens if self.backend == "cpu" else SPLIT_MAX_TOKENS

@@ -210,7 +210,7 @@ def test_launch_server_rejects_bad_value_before_loading():
 
 
 @pytest.mark.parametrize("quant,needle", [
-    ({"quant_method": "mxfp4"}, "MXFP4 experts (GPT-OSS) are not served yet: the GptOssForCausalLM"),
+    ({"quant_method": "mxfp4"}, "MXFP4 experts (GPT-OSS) are not served yet: an MXFP4 MoE"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"},
      "NVFP4 experts (ModelOpt FP4) are not served yet: on Hopper GPUs such as the H200"),
     ({"quant_method": "modelopt_fp4"}, "Marlin W4A16 fallback"),

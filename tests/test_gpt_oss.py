@@ -1,0 +1,91 @@
+"""GPT-OSS (``GptOssForCausalLM``, BF16/FP32 experts) on the CPU-run SGLang: expert biases, the
+clamped swiglu with ``gemm1_alpha`` and interleaved gate/up rows, attention sinks and sliding
+window.
+
+SGLang 0.5.17 refuses GPT-OSS on the CPU recipe's ``torch_native`` attention (no attention
+sinks), and its ``intel_amx`` backend falls back to ``torch_native`` on a CPU without AMX; its
+``triton`` backend runs here under Triton's interpreter, so stock and FreeToken both serve
+with it. FreeToken at 25% of the pool with fill (SGLang's runner over slots, streamed
+prefill) and with qstar (half the misses on the C executor's swiglu_oai path) gives stock's
+greedy tokens, and stock gives transformers' within the sliding window.
+"""
+
+from __future__ import annotations
+
+import requests
+
+from sglang_cpu import start_server
+from test_e2e_families import CACHE_25, CHUNK, _top2, assert_same_tokens, transformers_greedy
+
+# Ten layers, as test_e2e_families.FAMILY_SHAPES: at 25% the prefill streams.
+SHAPE = dict(num_layers=10, num_experts=8, top_k=2)
+
+TRITON_ATTENTION = ["--attention-backend", "triton"]
+# One prompt inside the 32-token sliding window, one across it, one over two prefill chunks.
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 12],
+    [(i * 11) % 300 + 20 for i in range(40)],
+    [200 + (i * 7) % 150 for i in range(90)],
+]
+NEW_TOKENS = 10
+
+
+def generate(url):
+    """Greedy ids and top-2 logprobs: the prompts one by one, then all three in one request."""
+    def post(ids):
+        r = requests.post(url + "/generate", json={
+            "input_ids": ids,
+            "sampling_params": (
+                [{"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}] * len(ids)
+                if isinstance(ids[0], list)
+                else {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}),
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+        }, timeout=600)
+        r.raise_for_status()
+        return r.json()
+
+    seq = [post(p) for p in PROMPTS]
+    batch = post(PROMPTS)
+    return {
+        "sequential": [b["output_ids"] for b in seq],
+        "concurrent": [b["output_ids"] for b in batch],
+        "top2": {"sequential": [_top2(b) for b in seq], "concurrent": [_top2(b) for b in batch]},
+    }
+
+
+def serve(path, flags, log_path):
+    server = start_server(path, CHUNK + TRITON_ATTENTION + flags, log_path=log_path,
+                          timeout=600)
+    try:
+        out = generate(server.url)
+        stats = None
+        if "--enable-freetoken" in flags:
+            stats = requests.get(server.url + "/freetoken/stats", timeout=60).json()
+    finally:
+        server.stop()
+    return out, stats, server.log()
+
+
+def test_gpt_oss_matches_stock_sglang_and_transformers(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("gpt_oss", **SHAPE)
+    want, _, _ = serve(path, [], str(tmp_path / "stock.log"))
+    # stock SGLang against transformers, within the sliding window (prompt 0: 18 positions)
+    assert want["sequential"][:1] == transformers_greedy(path, PROMPTS[:1], NEW_TOKENS)
+    for policy, flags in (
+        ("fill", ["--freetoken-miss-policy", "fill"]),
+        # B_P/B_H = 0.5 and no fixed costs: half of each call's misses on the C executor
+        ("qstar", ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40,0,0"]),
+    ):
+        got, stats, log = serve(path, ["--enable-freetoken"] + CACHE_25 + flags,
+                                str(tmp_path / f"ft-{policy}.log"))
+        assert "FreeToken: GPT-OSS, routed experts in host memory" in log
+        assert "w13_weight_bias" in log and "w2_weight_bias" in log  # biases in the pool
+        assert_same_tokens(got, want, f"gpt_oss {policy}")
+        total = stats["total"]
+        assert stats["cache"]["slots"] == stats["pool"]["experts"] // 4
+        assert stats["prefill_stream"]["experts_streamed"] > 0
+        if policy == "fill":
+            assert total["fills"] > 0 and total["cpu"] == 0
+        else:
+            assert total["fills"] > 0 and total["cpu"] > 0
