@@ -107,6 +107,7 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         self.runtime.register_layer(layer, self)
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config):
+        self.runtime.check_cpu_activation(moe_runner_config)
         self.moe_runner_config = moe_runner_config
         self.base_method.create_moe_runner(layer, moe_runner_config)
         # FusedMoE.__init__ copies ``quant_method.runner`` onto the layer.

@@ -156,6 +156,27 @@ class FreeTokenRuntime:
             )
         return self.pool
 
+    def check_cpu_activation(self, moe_runner_config) -> None:
+        """Refuse, while the model is built, a MoE activation the C executor lacks when it will
+        run experts: a clamped silu without ``gemm1_alpha`` (SGLang's ``gemm1_clamp_limit`` or
+        ``swiglu_limit`` alone; GPT-OSS's alpha form is served).
+
+        Raises:
+            families.UnsupportedModelError: naming the flags that avoid the executor.
+        """
+        cfg = moe_runner_config
+        uses_cpu = self.backend == "cpu" or self.config.miss_policy != "fill"
+        if uses_cpu and cfg.gemm1_alpha is None and (
+            cfg.gemm1_clamp_limit is not None or cfg.swiglu_limit is not None
+        ):
+            fix = ("--freetoken-backend gpu --freetoken-miss-policy fill" if self.backend == "cpu"
+                   else "--freetoken-miss-policy fill")
+            raise families.UnsupportedModelError(
+                f"--enable-freetoken: {self.family}: the CPU expert executor has no clamped "
+                f"silu without gemm1_alpha (this config sets gemm1_clamp_limit or "
+                f"swiglu_limit); use {fix}"
+            )
+
     def register_layer(self, layer, method) -> None:
         self.layers[layer.layer_id] = method
 
@@ -348,14 +369,6 @@ class FreeTokenRuntime:
         # Triton runner reads them (``triton_utils/fused_moe.py`` in 0.5.17): the layout flag
         # matters only with gemm1_alpha; without it a gated MLP has gate rows, then up rows.
         alpha = cfg.gemm1_alpha
-        if alpha is None and (cfg.gemm1_clamp_limit is not None or cfg.swiglu_limit is not None):
-            from freetoken_sglang.families import UnsupportedModelError
-
-            raise UnsupportedModelError(
-                "--enable-freetoken: the CPU expert executor has no clamped-silu activation "
-                "(gemm1_clamp_limit / swiglu_limit without gemm1_alpha); use "
-                "--freetoken-miss-policy fill"
-            )
         self.executor = CpuExpertExecutor(
             self.pool.banks,
             activation=cfg.activation,

@@ -221,3 +221,31 @@ def test_unserved_quantizations_name_why(quant, needle):
 
     assert needle in quantization_problem(quant)
     assert quantization_problem({"quant_method": "fp8", "weight_block_size": [128, 128]}) is None
+
+
+@pytest.mark.parametrize("backend,policy,limits,fix", [
+    ("gpu", "qstar", dict(gemm1_clamp_limit=10.0), "use --freetoken-miss-policy fill"),
+    ("gpu", "cpu", dict(swiglu_limit=10.0), "use --freetoken-miss-policy fill"),
+    ("cpu", "fill", dict(swiglu_limit=10.0),
+     "use --freetoken-backend gpu --freetoken-miss-policy fill"),
+    ("gpu", "fill", dict(gemm1_clamp_limit=10.0), None),  # the executor never runs
+    ("gpu", "qstar", dict(gemm1_alpha=1.702, gemm1_clamp_limit=7.0), None),  # GPT-OSS
+])
+def test_clamped_silu_without_alpha_is_refused_where_the_cpu_executor_runs(
+        backend, policy, limits, fix):
+    from types import SimpleNamespace
+
+    from freetoken_sglang.families import UnsupportedModelError
+    from freetoken_sglang.runtime import FreeTokenRuntime
+
+    rt = SimpleNamespace(backend=backend, config=SimpleNamespace(miss_policy=policy),
+                         family="DeepSeek-V3")
+    cfg = SimpleNamespace(**{"gemm1_alpha": None, "gemm1_clamp_limit": None,
+                             "swiglu_limit": None, **limits})
+    if fix is None:
+        FreeTokenRuntime.check_cpu_activation(rt, cfg)
+    else:
+        with pytest.raises(UnsupportedModelError,
+                           match="DeepSeek-V3: the CPU expert executor") as e:
+            FreeTokenRuntime.check_cpu_activation(rt, cfg)
+        assert str(e.value).endswith(fix)

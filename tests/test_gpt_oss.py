@@ -1,13 +1,14 @@
-"""GPT-OSS (``GptOssForCausalLM``, BF16/FP32 experts) on the CPU-run SGLang: expert biases, the
-clamped swiglu with ``gemm1_alpha`` and interleaved gate/up rows, attention sinks and sliding
-window.
+"""GPT-OSS (``GptOssForCausalLM``, FP32 experts here) on the CPU-run SGLang: expert biases, the
+clamped swiglu with ``gemm1_alpha`` and interleaved gate/up rows (the tiny checkpoint's gate/up
+weights are scaled so that the clamp at 7.0 is reached), attention sinks and sliding window.
 
 SGLang 0.5.17 refuses GPT-OSS on the CPU recipe's ``torch_native`` attention (no attention
 sinks), and its ``intel_amx`` backend falls back to ``torch_native`` on a CPU without AMX; its
 ``triton`` backend runs here under Triton's interpreter, so stock and FreeToken both serve
 with it. FreeToken at 25% of the pool with fill (SGLang's runner over slots, streamed
-prefill) and with qstar (half the misses on the C executor's swiglu_oai path) gives stock's
-greedy tokens, and stock gives transformers' within the sliding window.
+prefill) and with qstar (B_P/B_H = 0.5: a call with m misses runs floor(m/2) of them on the C
+executor's swiglu_oai path) gives stock's greedy tokens, and stock gives transformers' within
+the sliding window.
 """
 
 from __future__ import annotations
