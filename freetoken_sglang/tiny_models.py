@@ -416,8 +416,8 @@ def build_tiny_checkpoint(
             elif "bias" in name and "correction" in name:
                 p.normal_(0.0, 0.01)
     if family == "gpt_oss":
-        # Gate/up pre-activations of about 8 standard deviations, so that GPT-OSS's swiglu
-        # clamp (at 7.0) is reached in the tests (at std 0.2 they stay near 1.6).
+        # Gate/up pre-activations with a standard deviation near 8 (near 1.6 at weight std 0.2),
+        # so that GPT-OSS's swiglu clamp at 7.0 is reached in the tests.
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("gate_up_proj"):
