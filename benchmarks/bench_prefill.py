@@ -23,7 +23,9 @@ Systems: ``stock`` (every expert on the GPU), ``ft-stream`` (double-buffered str
 buffers borrowed from the LRU; with ``--freetoken-stream-min-tokens 1`` so that the short
 prompts stream too: for prompts over the crossover it is the default), ``ft-reserved``
 (the same with buffers reserved outside the LRU), ``ft-stream1`` (one buffer: no overlap),
-``ft-lru`` (prefill through the decode LRU, the path before streaming).
+``ft-lru`` (prefill through the decode LRU, the path before streaming), ``ft-pcpu-V``
+(streaming with ``--freetoken-prefill-cpu V``: ``auto`` or a fraction of each layer's
+non-resident experts run by the C executor).
 """
 
 from __future__ import annotations
@@ -155,6 +157,11 @@ def run_system(label: str, model: str, flags: List[str], a, log_dir: str) -> Dic
                        "counters": _delta(before, freetoken_stats(url))}
                 print(json.dumps({"system": label, **rec}), flush=True)
                 result["requests"].append(rec)
+        end = freetoken_stats(url)
+        if end is not None:  # the CPU share's rule as calibrated by the run
+            result["prefill_cpu_end"] = end.get("prefill_cpu")
+            print(json.dumps({"system": label, "prefill_cpu_end": result["prefill_cpu_end"]}),
+                  flush=True)
         if a.bench_serving and label in a.bench_serving.split(","):
             result["bench_serving"] = bench_serving(url, a, log_dir, label)
     m = None
@@ -305,6 +312,9 @@ def main(argv=None) -> int:
         print(report(doc, os.path.dirname(os.path.abspath(a.report))))
         return 0
     names = [s for s in a.systems.split(",") if s]
+    for s in names:  # ft-pcpu-V: ft with --freetoken-prefill-cpu V (auto or a fraction)
+        if s.startswith("ft-pcpu-"):
+            SYSTEMS[s] = FT + ["--freetoken-prefill-cpu", s[len("ft-pcpu-"):]]
     bad = [s for s in names if s not in SYSTEMS]
     if bad:
         raise SystemExit(f"--systems: unknown {bad}; choose from {sorted(SYSTEMS)}")

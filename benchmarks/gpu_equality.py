@@ -100,12 +100,16 @@ def main():
                     help="also run fill with: lru (prefill through the LRU, "
                          "--freetoken-prefill lru), reserved (prefill buffers reserved, not "
                          "borrowed), waves (a cache smaller than two layers), anchors_off "
-                         "(hybrid families: no semantic anchors); a comma list, lru,reserved,"
-                         "waves when bare")
+                         "(hybrid families: no semantic anchors), prefill_cpu (a CPU share "
+                         "of 0.5 in streamed prefill); a comma list, lru,reserved,waves when "
+                         "bare")
     ap.add_argument("--quant", default="none", choices=["none", "fp8_block"],
                     help="fp8_block: the routed experts quantized to FP8 with [128, 128] block "
                          "scales (freetoken_sglang/tiny_quant.py); stock and FreeToken both "
                          "serve that checkpoint")
+    ap.add_argument("--common-args", default="{}",
+                    help="JSON of extra sglang.Engine keywords for both stock and FreeToken, "
+                         "e.g. '{\"moe_runner_backend\": \"triton\"}' (GPT-OSS)")
     ap.add_argument("--stock-args", default="{}",
                     help="JSON of extra sglang.Engine keywords for stock SGLang, e.g. "
                          "'{\"disable_shared_experts_fusion\": true}' (FreeToken sets it)")
@@ -129,20 +133,25 @@ def main():
     for p in policies:
         if p not in ("fill", "qstar", "cpu"):
             raise SystemExit(f"--miss-policies: unknown policy {p!r} (choose from fill, qstar, cpu)")
-    stock = run(path, a.new_tokens, json.loads(a.stock_args), freetoken=False)
+    common = json.loads(a.common_args)
+    stock = run(path, a.new_tokens, {**common, **json.loads(a.stock_args)}, freetoken=False)
     results, full = [], {"stock": stock}
     runs = [(p, {}) for p in policies]
     checks = {"lru": {"freetoken_prefill": "lru"},
               "reserved": {"freetoken_prefill_buffers": "reserved"},
               "waves": {"freetoken_cache_slots": 12},
               # hybrid families: semantic anchors off (SGLang's own hybrid cache strategy)
-              "anchors_off": {"freetoken_anchors": "off"}}
+              "anchors_off": {"freetoken_anchors": "off"},
+              # half of each streamed layer's non-resident experts on the C executor (its
+              # fp32 arithmetic: reported like qstar's, not required to be identical)
+              "prefill_cpu": {"freetoken_prefill_cpu": "0.5"}}
     for name in [c for c in a.prefill_checks.split(",") if c]:
         if name not in checks:
             raise SystemExit(f"--prefill-checks: unknown {name!r} (choose from {', '.join(checks)})")
         runs.append(("fill", checks[name]))
     for policy, more in runs:
         ft_kwargs = {
+            **common,
             "enable_freetoken": True,
             "freetoken_cache_ratio": 0.25,
             "freetoken_miss_policy": policy,
@@ -176,7 +185,8 @@ def main():
             json.dump({"results": results, "runs": full}, f)
     # Waves sum their partial outputs (fp32, then the layer dtype): reported, not required.
     bad = [r["miss_policy"] for r in results if r["miss_policy"] == "fill"
-           and "freetoken_cache_slots" not in r["extra"] and not all(r["identical"].values())]
+           and "freetoken_cache_slots" not in r["extra"]
+           and "freetoken_prefill_cpu" not in r["extra"] and not all(r["identical"].values())]
     if bad:
         raise SystemExit("FreeToken's greedy tokens differ from stock SGLang's (fill policy)")
     idle = [r["miss_policy"] for r in results

@@ -170,6 +170,48 @@ def measure_executor(executor, hidden: int, dtype: torch.dtype, expert_bytes: in
     return total / (time.perf_counter() - t0) / 1e9
 
 
+def measure_executor_tokens(executor, hidden: int, dtype: torch.dtype,
+                            tokens: Tuple[int, int] = (1, 32), experts_per_call: int = 8,
+                            repeats: int = 5) -> float:
+    """g in us: the CPU executor's time per (token, expert) item beyond reading the expert,
+    the slope of a call's time over the tokens each of its ``experts_per_call`` random
+    experts gets (``tokens``: two counts; median of ``repeats``), for the prefill CPU share's
+    rule (``execute/prefill_cpu.py``)."""
+    rng = random.Random(4)
+    n_experts = executor.num_experts
+    k = min(experts_per_call, n_experts)
+    times = {}
+    for t in tokens:
+        x = torch.randn(t, hidden).to(dtype)
+        out = torch.zeros(t, hidden, dtype=torch.float32)
+        rows = torch.arange(t, dtype=torch.int32).repeat_interleave(k)
+        weights = torch.full((t * k,), 1.0 / k, dtype=torch.float32)
+        samples = []
+        for i in range(repeats + 1):
+            ids = torch.tensor(rng.sample(range(n_experts), k), dtype=torch.int32).repeat(t)
+            t0 = time.perf_counter()
+            executor.run(x, rows, ids, weights, out)
+            if i:  # the first call warms up
+                samples.append((time.perf_counter() - t0) * 1e6)
+        times[t] = _median(samples)
+    (t1, s1), (t2, s2) = sorted(times.items())
+    return max(0.0, (s2 - s1) / ((t2 - t1) * k))
+
+
+def resolve_token_cost(pool, executor, device: torch.device, hidden: int,
+                       act_dtype: torch.dtype, cache_path: str = DEFAULT_CACHE) -> float:
+    """g (us per token-expert item; ``measure_executor_tokens``) from the cached profile of
+    this machine and expert shape, else measured now (under a second) and stored there."""
+    key = machine_key(device, executor.num_threads, expert_shape(pool.specs["w13_weight"]))
+    cached = load_cached(cache_path, key) or {}
+    if "G_H_us" in cached:
+        return float(cached["G_H_us"])
+    g = measure_executor_tokens(executor, hidden, act_dtype)
+    store_cached(cache_path, key, {**cached, "G_H_us": g})
+    logger.info("FreeToken: the CPU executor's cost per token-expert item: %.3f us", g)
+    return g
+
+
 def intercept(n1: int, t1: float, n2: int, t2: float) -> float:
     """The fixed cost of ``t(n) = F + n * s`` through ``(n1, t1)`` and ``(n2, t2)``, at least
     0 (a line fitted to two measured sizes); 0 when the sizes are equal (nothing to fit)."""
@@ -315,5 +357,5 @@ def resolve(
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "seconds": time.perf_counter() - t0,
     }
-    store_cached(cache_path, key, entry)
+    store_cached(cache_path, key, {**(cached or {}), **entry})
     return Bandwidth(b_p, b_h, "measured", f_p, f_h)

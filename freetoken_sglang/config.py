@@ -65,6 +65,21 @@ def _ftw_dir(text: str) -> str:
     return text
 
 
+def _prefill_cpu(text: str) -> str:
+    """An argparse type: ``off``, ``auto`` or a fraction in [0, 1] (kept as its text)."""
+    if text in ("off", "auto"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {text!r}: give off, auto or a fraction from 0 to 1 (e.g. 0.4)"
+        )
+    return text
+
+
 def _choice(*options):
     def parse(text: str) -> str:
         if text not in options:
@@ -237,6 +252,18 @@ class FreeTokenConfig:
             help="Full-layer prefill buffers: 2 (default) overlaps each layer's transfer "
             "with the previous layer's compute; 1 copies each layer after the previous one "
             "computed (no overlap; for comparison).",
+        ),
+    )
+
+    prefill_cpu: str = field(
+        default="off",
+        metadata=dict(
+            type=_prefill_cpu,
+            help="Streamed prefill with a CPU share: auto runs the share of each streamed "
+            "layer's non-resident experts that balances the C executor's time (measured, "
+            "growing with the tokens per expert) against the PCIe time of the rest, on the "
+            "CPU while the GPU computes the streamed experts; a fraction F runs that share; "
+            "off (default): every non-resident expert streams.",
         ),
     )
 
@@ -454,11 +481,13 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
         ineffective += ["admission"] if cfg.admission != "off" else []
         ineffective += ["fill_reused"] if "fill_reused" in given else []
         ineffective += ["cpu_branch"] if "cpu_branch" in given else []
+        ineffective += ["prefill_cpu"] if "prefill_cpu" in given else []
         for name in ineffective:
             problems.append(f"{cli_name(name)} has no effect with --freetoken-backend cpu")
     else:
-        if cfg.bandwidth is not None and cfg.miss_policy != "qstar":
-            problems.append("--freetoken-bandwidth is used only by --freetoken-miss-policy qstar")
+        if cfg.bandwidth is not None and cfg.miss_policy != "qstar" and cfg.prefill_cpu != "auto":
+            problems.append("--freetoken-bandwidth is used only by --freetoken-miss-policy qstar "
+                            "and --freetoken-prefill-cpu auto")
         if "cpu_branch" in given and cfg.miss_policy == "fill":
             problems.append("--freetoken-cpu-branch is used only by the qstar and cpu miss "
                             "policies (fill never runs experts on the CPU)")
@@ -476,13 +505,14 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
                 "--freetoken-fill-reused on with --freetoken-admission reuse fills exactly the "
                 "reused misses and leaves q* nothing to split: give one of them"
             )
-        if cfg.cpu_threads is not None and cfg.miss_policy == "fill":
+        if cfg.cpu_threads is not None and cfg.miss_policy == "fill" and cfg.prefill_cpu == "off":
             problems.append(
                 "--freetoken-cpu-threads is used only when misses run on the CPU "
-                "(--freetoken-miss-policy qstar or cpu, or --freetoken-backend cpu)"
+                "(--freetoken-miss-policy qstar or cpu, --freetoken-prefill-cpu, or "
+                "--freetoken-backend cpu)"
             )
         if cfg.prefill == "lru":
-            for name in ("stream_min_tokens", "stream_buffers", "prefill_buffers"):
+            for name in ("stream_min_tokens", "stream_buffers", "prefill_buffers", "prefill_cpu"):
                 if name in given:
                     problems.append(
                         f"{cli_name(name)} has no effect with --freetoken-prefill lru"

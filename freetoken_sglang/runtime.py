@@ -86,6 +86,8 @@ class FreeTokenRuntime:
         self.bandwidth = None
         self.executor = None
         self.cpu_branch = None
+        # The CPU share of streamed prefill (--freetoken-prefill-cpu; execute/prefill_cpu.py).
+        self.prefill_cpu_part = None
         self.recorder = None
         self.replay = None  # --freetoken-replay-routing (benchmarks only)
         self.choice: Optional[ExecutorChoice] = None
@@ -357,7 +359,8 @@ class FreeTokenRuntime:
         from freetoken_sglang.miss_policy import SPLIT_MAX_TOKENS
 
         name = "cpu" if self.backend == "cpu" else self.config.miss_policy
-        if name == "fill":
+        prefill_cpu = self.backend == "gpu" and self.config.prefill_cpu != "off"
+        if name == "fill" and not prefill_cpu:
             self.policy = MissPolicy("fill")
             return
         from freetoken_sglang.cpu_branch import CpuBranch
@@ -378,6 +381,11 @@ class FreeTokenRuntime:
             gate_up_interleaved=bool(cfg.gate_up_interleaved) if alpha is not None else False,
             **method.format.executor_kwargs(method.base_method),
         )
+        if prefill_cpu:
+            self._start_prefill_cpu()
+        if name == "fill":
+            self.policy = MissPolicy("fill")
+            return
         rows = max_tokens if self.backend == "cpu" else SPLIT_MAX_TOKENS
         self.cpu_branch = CpuBranch(
             self.executor,
@@ -391,14 +399,7 @@ class FreeTokenRuntime:
             mode="host-node" if self.backend == "cpu" else self.config.cpu_branch,
         )
         if name == "qstar":
-            self.bandwidth = bandwidth.resolve(
-                self.config.bandwidth,
-                self.pool,
-                self.executor,
-                self.device,
-                self.pool.specs["w2_weight"].shape[0],
-                self.act_dtype,
-            )
+            self._resolve_bandwidth()
             self.policy = MissPolicy(
                 "qstar",
                 (self.bandwidth.b_p, self.bandwidth.b_h),
@@ -409,6 +410,47 @@ class FreeTokenRuntime:
             )
         else:
             self.policy = MissPolicy("cpu")
+
+    def _resolve_bandwidth(self):
+        """B_P and B_H (and the fixed costs): the flag, the cached profile or a measurement."""
+        from freetoken_sglang import bandwidth
+
+        if self.bandwidth is None:
+            self.bandwidth = bandwidth.resolve(
+                self.config.bandwidth,
+                self.pool,
+                self.executor,
+                self.device,
+                self.pool.specs["w2_weight"].shape[0],
+                self.act_dtype,
+            )
+        return self.bandwidth
+
+    def _start_prefill_cpu(self) -> None:
+        """The CPU share of streamed prefill (``execute/prefill_cpu.py``): the rule, from the
+        flag's fraction or from B_P, B_H and the executor's measured cost per token, and the
+        pinned buffers' owner."""
+        from freetoken_sglang import bandwidth
+        from freetoken_sglang.execute.prefill_cpu import PrefillCpuPart, PrefillCpuRule
+
+        text = self.config.prefill_cpu
+        if text == "auto":
+            bw = self._resolve_bandwidth()
+            g = bandwidth.resolve_token_cost(
+                self.pool, self.executor, self.device, self.pool.specs["w2_weight"].shape[0],
+                self.act_dtype)
+            rule = PrefillCpuRule.balanced(
+                self.pool.expert_bytes, bw.b_p, bw.b_h, g, self.top_k, self.num_experts)
+        else:
+            rule = PrefillCpuRule(float(text), top_k=self.top_k, num_experts=self.num_experts)
+        self.prefill_cpu_part = PrefillCpuPart(
+            self.executor, self.pool.specs["w2_weight"].shape[0], self.top_k, self.act_dtype,
+            self.device, rule)
+
+    @property
+    def prefill_cpu_rule(self):
+        """The CPU share's rule in use (calibrated while serving), or None when off."""
+        return None if self.prefill_cpu_part is None else self.prefill_cpu_part.rule
 
     def _start_executors(self) -> None:
         """Build the executors the layout can use and the rule that picks one per call."""
@@ -471,10 +513,14 @@ class FreeTokenRuntime:
         if self.cache.layout.borrowed:
             how += ", buffers borrowed from the LRU's oldest slots"
         src = "--freetoken-stream-min-tokens" if self.config.stream_min_tokens else "crossover rule"
-        return (
+        text = (
             f"Prefill: layer calls of at least {c.stream_min_rows} rows stream ({how}; "
-            f"{src}), without LRU fills."
+            f"{src}), without LRU fills"
         )
+        if self.prefill_cpu_rule is not None:
+            text += "; CPU share: " + (self.prefill_cpu_rule.describe() if c.layout_kind == "stream"
+                                       else "none in waves (the cache holds no two layers)")
+        return text + "."
 
     def begin_forward(self, phase: str, num_tokens: int, mixed: bool = False) -> None:
         """Before a forward of ``phase`` (``decode`` or ``extend``; ``mixed``: an extend
@@ -485,7 +531,7 @@ class FreeTokenRuntime:
         stream = self.executors.get("stream")
         if stream is not None:
             streams = self.choice.executor_for(num_tokens, phase) == "stream"
-            stream.begin_forward(prefetch=streams)
+            stream.begin_forward(prefetch=streams, rows=num_tokens)
 
     def end_forward(self) -> None:
         """After a forward (also one that raised): forget its phase and its streaming
@@ -526,6 +572,8 @@ class FreeTokenRuntime:
         to the trace when recording, and move the routing replay on."""
         if self.cpu_branch is not None:
             self.cpu_branch.check()
+        if self.prefill_cpu_part is not None:
+            self.prefill_cpu_part.check()
         if self.recorder is not None:
             self.recorder.end_step(phase, num_tokens)
         if self.replay is not None:

@@ -46,6 +46,8 @@ def test_cli_flags_parse_into_config():
         ["--freetoken-fill-reused", "yes"],
         ["--freetoken-cpu-branch", "event"],
         ["--freetoken-cpu-threads", "0"],
+        ["--freetoken-prefill-cpu", "1.5"],
+        ["--freetoken-prefill-cpu", "half"],
     ],
 )
 def test_bad_flag_values_are_argparse_errors(argv, capsys):
@@ -105,11 +107,27 @@ def test_miss_policy_flags():
          "--freetoken-stream-buffers has no effect with --freetoken-prefill lru"),
         ({"freetoken_prefill": "lru", "freetoken_prefill_buffers": "reserved"},
          "--freetoken-prefill-buffers has no effect with --freetoken-prefill lru"),
+        ({"freetoken_prefill": "lru", "freetoken_prefill_cpu": "auto"},
+         "--freetoken-prefill-cpu has no effect with --freetoken-prefill lru"),
+        ({"freetoken_backend": "cpu", "freetoken_prefill_cpu": "0.5"},
+         "--freetoken-prefill-cpu has no effect with --freetoken-backend cpu"),
+        ({"freetoken_prefill_cpu": "0.5", "freetoken_bandwidth": "10,20"},
+         "and --freetoken-prefill-cpu auto"),
     ],
 )
 def test_ineffective_flag_combinations_are_refused(kw, needle):
     with pytest.raises(ValueError, match=needle):
         ft.pop_config({"enable_freetoken": True, **kw})
+
+
+def test_prefill_cpu_flag():
+    """off by default; auto takes --freetoken-bandwidth and --freetoken-cpu-threads."""
+    assert ft.pop_config({"enable_freetoken": True}).prefill_cpu == "off"
+    args = parser().parse_args(["--enable-freetoken", "--freetoken-prefill-cpu", "auto",
+                                "--freetoken-bandwidth", "50,100", "--freetoken-cpu-threads", "4"])
+    cfg = ft.pop_config(dict(vars(args)))
+    assert (cfg.prefill_cpu, cfg.bandwidth, cfg.cpu_threads) == ("auto", (50.0, 100.0), 4)
+    assert ft.pop_config({"enable_freetoken": True, "freetoken_prefill_cpu": "0.4"}).prefill_cpu == "0.4"
 
 
 def test_engine_keywords_are_validated():

@@ -163,6 +163,8 @@ POLICIES = {
     # q* with the re-miss rule: misses used since then are filled, q* splits the others
     "qstar-remiss": ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40",
                      "--freetoken-fill-reused", "on"],
+    # streamed prefill with half of each layer's non-resident experts on the C executor
+    "fill-prefillcpu": ["--freetoken-miss-policy", "fill", "--freetoken-prefill-cpu", "0.5"],
 }
 
 # The admission variant runs on two families of different routing (softmax top-k without
@@ -170,6 +172,9 @@ POLICIES = {
 # is the same code for all.
 ADMIT_FAMILIES = ("qwen3_moe", "deepseek_v3")
 REMISS_FAMILIES = ("qwen3_moe",)
+# The prefill CPU share on a family with plain softmax top-k and on one with grouped sigmoid
+# top-k, a shared expert and a routed scaling factor.
+PREFILL_CPU_FAMILIES = ("qwen3_moe", "deepseek_v3")
 
 
 def serve_and_collect(path, args, log_path, logprobs=True):
@@ -239,7 +244,8 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
     want, _, _ = serve_and_collect(path, CHUNK, str(tmp_path / "stock.log"))
     for variant, flags in POLICIES.items():
         if (variant == "qstar-admit" and family not in ADMIT_FAMILIES
-                or variant == "qstar-remiss" and family not in REMISS_FAMILIES):
+                or variant == "qstar-remiss" and family not in REMISS_FAMILIES
+                or variant == "fill-prefillcpu" and family not in PREFILL_CPU_FAMILIES):
             continue  # (CI time) the rules are family-independent decision code
         policy = variant.split("-")[0]
         got, stats, log = serve_and_collect(
@@ -270,6 +276,11 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
         assert stream["experts_streamed"] > 0
         assert (stream["lru_seeded"] > 0) == (buffers == "borrowed")
         assert stream["bytes_streamed"] == stream["experts_streamed"] * stats["pool"]["expert_bytes"]
+        if variant == "fill-prefillcpu":
+            assert stats["prefill_cpu"]["share"] == 0.5 and stream["experts_cpu"] > 0
+            assert "CPU share: 0.5 of each streamed layer" in log
+        else:
+            assert stats["prefill_cpu"] == "off" and stream["experts_cpu"] == 0
         if policy == "fill":
             assert total["cpu"] == 0 and total["fills"] > 0 and total["evictions"] > 0
         elif variant == "qstar":

@@ -306,6 +306,66 @@ def test_borrowed_buffers_evict_the_oldest_and_seed_the_last_layers(buffers, pub
     assert all(int(st.owner[int(r[f])]) == f for f in range(L * E) if int(r[f]) >= 0)
 
 
+def test_prefill_cpu_rule():
+    """The balance rule gives the CPU c = round(m * p / (p + h(t))) of m experts, fewer as
+    the tokens per expert grow, none without residual host bandwidth; a share is exact."""
+    from freetoken_sglang.execute.prefill_cpu import PrefillCpuRule
+
+    # S = 6 MB, B_P = 50, B_H = 150 GB/s: p = 120 us, h0 = 60 us; g = 2 us; k/E = 1/32
+    rule = PrefillCpuRule.balanced(6_000_000, 50.0, 150.0, 2.0, 8, 256)
+    assert (rule.p_us, rule.h0_us) == (120.0, 60.0)
+    assert rule.cpu_count(192, 0) == 128  # 192 * 120 / 180
+    assert rule.cpu_count(192, 960) == 96  # t = 30: h = 120
+    assert rule.cpu_count(192, 32 * 1000) == 11  # t = 1000: 192 * 120 / 2180 = 10.6
+    assert rule.cpu_count(0, 960) == 0
+    assert PrefillCpuRule.balanced(6_000_000, 50.0, 50.0, 2.0, 8, 256).cpu_count(192, 1) == 0
+    assert PrefillCpuRule(0.5).cpu_count(7, 10**6) == 4 and PrefillCpuRule(1.0).cpu_count(7, 1) == 7
+    with pytest.raises(ValueError):
+        PrefillCpuRule.balanced(6_000_000, 0.0, 150.0, 2.0, 8, 256)
+    # Calibration: p moves half-way to the copies' 100 us per expert, g half-way to the runs'
+    # (240 - 60) / 30 = 6 us per item; runs with t < 1 say nothing about g; a share stays.
+    cal = rule.calibrated([(1000.0, 10)], [(240.0, 30.0, 4), (500.0, 0.5, 9)])
+    assert (cal.p_us, cal.h0_us, cal.g_us) == (110.0, 60.0, 4.0)
+    assert rule.calibrated([], []) == rule
+    assert PrefillCpuRule(0.5).calibrated([(1.0, 1)], [(1.0, 2.0, 1)]) == PrefillCpuRule(0.5)
+
+
+@pytest.mark.parametrize("borrow", [True, False])
+def test_streamed_prefill_with_a_cpu_share_matches_stock(borrow, published):
+    """Half of each layer's non-resident experts run on the C executor instead of streaming:
+    the output matches stock, those experts are neither copied nor seeded into the LRU
+    (every LRU slot still holds what its owner says), and the counts add up."""
+    from freetoken_sglang.cpu_executor import CpuExpertExecutor
+    from freetoken_sglang.execute.prefill_cpu import PrefillCpuPart, PrefillCpuRule
+    from freetoken_sglang.execute.prefill_stream import PrefillStreamExecutor
+
+    rt, pool, layers = _runtime(num_slots=2 * E + 6, buffers=2, borrow=borrow)
+    _warm_lru(rt, steps=30)
+    resident = int((rt.cache.residency.residency[: L * E] >= 0).sum())
+    with CpuExpertExecutor(pool.banks, num_threads=2) as cpu:
+        rt.prefill_cpu_part = PrefillCpuPart(cpu, H, K, torch.float32, "cpu",
+                                             PrefillCpuRule(0.5, top_k=K, num_experts=E))
+        ex = PrefillStreamExecutor(rt)
+        T = 40
+        ex.begin_forward(prefetch=True, rows=T)
+        for l in range(L):
+            call = _call(layers[l], l, T, 70 + l)
+            rt.num_valid.fill_(T)
+            torch.testing.assert_close(ex.run(call), _stock(call), rtol=1e-4, atol=1e-4,
+                                       msg=lambda m, l=l: f"layer {l}: {m}")
+        missing = [int((rt.cache.residency.residency[l * E:(l + 1) * E] < 0).sum())
+                   for l in range(L)]
+        ex.end_forward()
+        _assert_slots_hold_their_owners(rt, pool)
+        counts = ex.snapshot()
+        assert rt.prefill_cpu_part.calls == L and rt.prefill_cpu_part.cpu_s > 0
+        if not borrow:  # (borrowing evicts some residents first)
+            assert counts["experts_cpu"] == sum(round(m * 0.5) for m in missing) > 0
+            assert counts["experts_reused"] == resident
+        assert counts["experts_cpu"] > 0
+        assert counts["experts_streamed"] + counts["experts_cpu"] + counts["experts_reused"] == L * E
+
+
 def test_waves_match_stock_and_leave_the_lru_alone(published):
     from freetoken_sglang.execute.waves import WaveExecutor
 

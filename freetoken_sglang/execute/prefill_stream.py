@@ -10,11 +10,11 @@ import torch
 
 from freetoken_sglang.cache.fills import copy_row_runs, row_runs
 from freetoken_sglang.execute.contract import LayerCall
-from freetoken_sglang.execute.slot_moe import run_on_slots
+from freetoken_sglang.execute.slot_moe import routed_scale, run_on_slots
 
 # Fields of PrefillStreamExecutor.counts.
 STREAM_FIELDS = ("layer_calls", "experts_streamed", "experts_reused", "lru_evicted",
-                 "lru_seeded")
+                 "lru_seeded", "experts_cpu")
 
 
 class PrefillStreamExecutor:
@@ -37,7 +37,10 @@ class PrefillStreamExecutor:
     - reserved: fixed slot rows after the LRU's; the LRU is not touched at all.
 
     Experts resident in the LRU when the forward starts are not sent: the call reads them
-    from their slots (``experts_reused``). Only the non-resident rows of the layer are copied,
+    from their slots (``experts_reused``). With a CPU share (``--freetoken-prefill-cpu``,
+    ``execute/prefill_cpu.py``) the last ``c`` non-resident experts of each layer are not sent
+    either: the C executor runs their items while the GPU computes the rest
+    (``experts_cpu``). Only the non-resident rows of the layer are copied,
     one ``cudaMemcpyAsync`` per run of consecutive rows and bank on a dedicated copy stream,
     from the pinned pool (the copy engine; no SM is taken from the compute). The residency
     table (and the borrowed slots) is read to the host once per streamed forward (one sync);
@@ -78,10 +81,21 @@ class PrefillStreamExecutor:
         # copy has landed)
         self.holds: Dict[int, int] = {}
         self.lent = False  # borrowed slots are out of the LRU until end_forward
+        self.cpu_part = getattr(runtime, "prefill_cpu_part", None)
+        # the CPU share's rule, as calibrated so far (execute/prefill_cpu.py)
+        self.cpu_rule = self.cpu_part.rule if self.cpu_part is not None else None
+        self.rows = 0  # the streamed forward's real rows (begin_forward)
+        # layer -> bool [E] on the device: its experts the CPU runs in this forward
+        self.cpu_masks: Dict[int, torch.Tensor] = {}
+        # buffer -> (mask, count) of the CPU experts of the layer it holds (never copied)
+        self.held_cpu: Dict[int, Tuple[torch.Tensor, int]] = {}
+        self.cpu_count: Dict[int, int] = {}  # layer -> its CPU experts in this forward
         self.res_host: Optional[torch.Tensor] = None
         self.counts = {k: 0 for k in STREAM_FIELDS}
         self.wait_s = 0.0
         self._timings: List[Tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # (started, loaded, experts) of issued copies, for the CPU share's calibration
+        self._copies: List[Tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
         self._run = self._run_eager
         if self.on_cuda:
             self.copy_stream = torch.cuda.Stream(self.device)
@@ -95,12 +109,13 @@ class PrefillStreamExecutor:
             self._run = eager_on_graph(True)(self._run_eager)
 
     # ---- per forward ---------------------------------------------------------------------
-    def begin_forward(self, prefetch: bool) -> None:
-        """Start of a forward: forget the previous forward's buffers; when ``prefetch``
-        (the forward will stream), borrow the buffers, read the residency table and issue the
-        first layers."""
+    def begin_forward(self, prefetch: bool, rows: int = 0) -> None:
+        """Start of a forward over ``rows`` real rows: forget the previous forward's buffers;
+        when ``prefetch`` (the forward will stream), borrow the buffers, read the residency
+        table and issue the first layers."""
         self.end_forward()
         self._harvest(block=False)
+        self.rows = rows
         if prefetch:
             self._start()
             for ordinal in range(min(self.buffers, self.L)):
@@ -113,6 +128,9 @@ class PrefillStreamExecutor:
             self._give_back()
         self.pending.clear()
         self.holds.clear()
+        self.cpu_masks.clear()
+        self.held_cpu.clear()
+        self.cpu_count.clear()
         self.res_host = None
 
     def _start(self) -> None:
@@ -173,10 +191,14 @@ class PrefillStreamExecutor:
                 # Residency is as at the start: nothing in a streamed forward changes it.
                 layer_res = st.layer_slots(h, E)
                 seed = layer_res < 0
+                cpu = self.held_cpu.get(b)
+                if cpu is not None:  # the CPU's experts were never copied into the buffer
+                    seed &= ~cpu[0]
                 flat = torch.arange(h * E, (h + 1) * E, dtype=torch.int32, device=self.device)
                 st.owner.index_copy_(0, bs, torch.where(seed, flat, -1))
                 layer_res.copy_(torch.where(seed, bs.int(), layer_res))
-                self.counts["lru_seeded"] += int((self.res_host[h * E : (h + 1) * E] < 0).sum())
+                self.counts["lru_seeded"] += int(
+                    (self.res_host[h * E : (h + 1) * E] < 0).sum()) - (cpu[1] if cpu else 0)
             st.key.index_copy_(0, bs, torch.where(seed, st.clock * S + bs, bs - S))
 
     def _issue(self, ordinal: int) -> None:
@@ -188,25 +210,47 @@ class PrefillStreamExecutor:
             self.pending[ordinal] = (b, None)
             return
         self.holds[b] = ordinal
+        self.held_cpu.pop(b, None)
         E = self.E
         missing = (self.res_host[ordinal * E : (ordinal + 1) * E] < 0).tolist()
+        c = 0
+        if self.cpu_rule is not None and self.rows > 0:
+            absent = [e for e in range(E) if missing[e]]
+            c = self.cpu_rule.cpu_count(len(absent), self.rows)
+            if c:
+                on_cpu = absent[len(absent) - c:]
+                mask = torch.zeros(E, dtype=torch.bool, pin_memory=self.on_cuda)
+                mask[on_cpu] = True
+                self.cpu_masks[ordinal] = mask.to(self.device, non_blocking=True)
+                self.held_cpu[b] = (self.cpu_masks[ordinal], c)  # not in the buffer
+                self.cpu_count[ordinal] = c
+                for e in on_cpu:
+                    missing[e] = False
+                self.counts["experts_cpu"] += c
         dst = self.buf_host[b]
         runs = row_runs((ordinal * E + e, dst[e]) for e in range(E) if missing[e])
         streamed = sum(missing)
+        reused = E - streamed - c
         loaded = None
         if self.on_cuda:
             loaded = torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(self.free[b])
+                started = None
+                if self.cpu_rule is not None and streamed:
+                    started = torch.cuda.Event(enable_timing=True)
+                    started.record(self.copy_stream)
                 copy_row_runs(self.pool.banks, self.cache.slot_banks, runs, non_blocking=True)
                 loaded.record(self.copy_stream)
+                if started is not None:
+                    self._copies.append((started, loaded, streamed))
         else:
             t0 = time.perf_counter()
             copy_row_runs(self.pool.banks, self.cache.slot_banks, runs, non_blocking=False)
             self.wait_s += time.perf_counter() - t0  # the compute thread did the copy
         self.pending[ordinal] = (b, loaded)
         self.counts["experts_streamed"] += streamed
-        self.counts["experts_reused"] += E - streamed
+        self.counts["experts_reused"] += reused
 
     # ---- the contract --------------------------------------------------------------------
     def run(self, call: LayerCall) -> torch.Tensor:
@@ -232,12 +276,22 @@ class PrefillStreamExecutor:
             self._timings.append((reached, loaded))
         layer_res = self.cache.residency.layer_slots(ordinal, self.E)
         slots = torch.where(layer_res >= 0, layer_res, self.buf_slots[b])
-        out = run_on_slots(call, topk_ids, slots, self.cache)
+        mask = self.cpu_masks.pop(ordinal, None)
+        if mask is not None:
+            part = self.cpu_part
+            rows = min(self.rows, x.shape[0])
+            experts, weights, topk_ids = part.items(
+                ordinal, self.E, mask, topk_ids, topk_weights, routed_scale(layer, x))
+            part.launch(x, experts, weights, rows, int(self.cpu_count.get(ordinal, 0)),
+                        self.cpu_rule.tokens_per_expert(rows))  # before x may be overwritten
+        out = run_on_slots(call, topk_ids, slots, self.cache, skip_negative_ids=mask is not None)
         if self.on_cuda:
             self.free[b].record()
         nxt = ordinal + self.buffers
         if nxt < self.L:
             self._issue(nxt)
+        if mask is not None:  # the GPU computed its share and streams on meanwhile
+            out = self.cpu_part.merge(out, rows)
         self.counts["layer_calls"] += 1
         return out
 
@@ -257,6 +311,24 @@ class PrefillStreamExecutor:
             else:
                 keep.append((reached, loaded))
         self._timings = keep
+        if self.cpu_rule is not None and self.on_cuda:
+            self._calibrate(block)
+
+    def _calibrate(self, block: bool) -> None:
+        """Move the CPU share's rule towards the finished copies' and CPU runs' times."""
+        copies, keep = [], []
+        for started, loaded, n in self._copies:
+            if block or loaded.query():
+                loaded.synchronize()
+                copies.append((started.elapsed_time(loaded) * 1e3, n))
+            else:
+                keep.append((started, loaded, n))
+        self._copies = keep
+        self.cpu_part.check()
+        runs, self.cpu_part.observed = self.cpu_part.observed, []
+        if copies or runs:
+            self.cpu_rule = self.cpu_rule.calibrated(copies, runs)
+            self.cpu_part.rule = self.cpu_rule
 
     def snapshot(self) -> Dict[str, float]:
         """Host-side counts of the streamed (full-layer) calls, waits included."""

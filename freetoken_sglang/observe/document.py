@@ -12,9 +12,11 @@ def prefill_stream_counts(rt) -> Dict[str, object]:
     calls among them, ``wait_s``, the time the compute stream waited for a copy (CUDA
     timing events around each layer's wait, read here; on a CPU device, the copies' own
     time), and, with borrowed buffers, ``lru_evicted`` (LRU entries evicted to lend the
-    buffers) and ``lru_seeded`` (streamed experts the buffers gave back to the LRU)."""
+    buffers) and ``lru_seeded`` (streamed experts the buffers gave back to the LRU); with a
+    CPU share (``--freetoken-prefill-cpu``), ``experts_cpu`` (non-resident experts the C
+    executor ran instead of streaming them) and ``cpu_s`` (its wall time, s)."""
     out = dict(layer_calls=0, experts_streamed=0, experts_reused=0, wave_calls=0, wait_s=0.0,
-               lru_evicted=0, lru_seeded=0)
+               lru_evicted=0, lru_seeded=0, experts_cpu=0, cpu_s=0.0)
     for key, value in (getattr(rt, "stream_carry", None) or {}).items():  # before resizes
         if key in out:
             out[key] += value
@@ -22,8 +24,12 @@ def prefill_stream_counts(rt) -> Dict[str, object]:
     if stream is not None:
         s = stream.snapshot()
         for key in ("layer_calls", "experts_streamed", "experts_reused", "wait_s",
-                    "lru_evicted", "lru_seeded"):
+                    "lru_evicted", "lru_seeded", "experts_cpu"):
             out[key] += s[key]
+    part = getattr(rt, "prefill_cpu_part", None)
+    if part is not None:
+        part.check()
+        out["cpu_s"] += part.cpu_s
     waves = rt.executors.get("waves")
     if waves is not None:
         w = waves.snapshot()
@@ -82,6 +88,10 @@ def stats_document(rt) -> Dict[str, object]:
             "mode": rt.choice.prefill,
             "stream_min_tokens": rt.choice.stream_min_rows,
         }
+    rule = getattr(rt, "prefill_cpu_rule", None)
+    out["prefill_cpu"] = "off" if rule is None else {
+        "share": rule.share, "p_us": rule.p_us, "h0_us": rule.h0_us, "g_us": rule.g_us,
+        "rule": rule.describe()}
     if rt.bandwidth is not None:
         out["bandwidth"] = {
             "B_P": rt.bandwidth.b_p,
