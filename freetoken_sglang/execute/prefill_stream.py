@@ -269,6 +269,14 @@ class PrefillStreamExecutor:
         if self.buffers == 2 and ordinal + 1 < self.L and ordinal + 1 not in self.pending:
             self._issue(ordinal + 1)
         b, loaded = self.pending.pop(ordinal)
+        mask = self.cpu_masks.pop(ordinal, None)
+        if mask is not None:  # the CPU starts without waiting for the layer's copy
+            part = self.cpu_part
+            rows = min(self.rows, x.shape[0])
+            experts, weights, topk_ids = part.items(
+                ordinal, self.E, mask, topk_ids, topk_weights, routed_scale(layer, x))
+            part.launch(x, experts, weights, rows, int(self.cpu_count.get(ordinal, 0)),
+                        self.cpu_rule.tokens_per_expert(rows))  # before x may be overwritten
         if loaded is not None:
             reached = torch.cuda.Event(enable_timing=True)
             reached.record()
@@ -276,14 +284,6 @@ class PrefillStreamExecutor:
             self._timings.append((reached, loaded))
         layer_res = self.cache.residency.layer_slots(ordinal, self.E)
         slots = torch.where(layer_res >= 0, layer_res, self.buf_slots[b])
-        mask = self.cpu_masks.pop(ordinal, None)
-        if mask is not None:
-            part = self.cpu_part
-            rows = min(self.rows, x.shape[0])
-            experts, weights, topk_ids = part.items(
-                ordinal, self.E, mask, topk_ids, topk_weights, routed_scale(layer, x))
-            part.launch(x, experts, weights, rows, int(self.cpu_count.get(ordinal, 0)),
-                        self.cpu_rule.tokens_per_expert(rows))  # before x may be overwritten
         out = run_on_slots(call, topk_ids, slots, self.cache, skip_negative_ids=mask is not None)
         if self.on_cuda:
             self.free[b].record()
