@@ -73,11 +73,14 @@ def _prefill_cpu(text: str) -> str:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not 0.0 <= value <= 1.0:
+    if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(
-            f"invalid value {text!r}: give off, auto or a fraction from 0 to 1 (e.g. 0.4)"
+            f"invalid value {text!r}: give off, auto or a fraction above 0 up to 1 (e.g. 0.4)"
         )
     return text
+
+
+_prefill_cpu.metavar = "{off,auto,F}"
 
 
 def _choice(*options):
@@ -88,6 +91,7 @@ def _choice(*options):
             )
         return text
 
+    parse.metavar = "{" + ",".join(options) + "}"  # what --help shows
     return parse
 
 
@@ -103,6 +107,7 @@ def _choice_int(*options):
             )
         return value
 
+    parse.metavar = "{" + ",".join(map(str, options)) + "}"
     return parse
 
 
@@ -193,8 +198,8 @@ class FreeTokenConfig:
         default="doorbell",
         metadata=dict(
             type=_choice("doorbell", "host-node"),
-            help="How the GPU hands a layer call's CPU experts to the C executor (qstar and "
-            "cpu on a GPU): doorbell (default) writes them into mapped host memory for a "
+            help="How the GPU hands a decode layer call's CPU experts to the C executor (qstar "
+            "and cpu on a GPU; the prefill CPU share always uses host-function nodes): doorbell (default) writes them into mapped host memory for a "
             "polling thread, and a call without CPU experts costs two kernels that return at "
             "once; host-node runs a CUDA host-function node on every layer call.",
         ),
@@ -413,7 +418,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             type=f.metadata["type"],
             default=f.default,
             help=f.metadata["help"],
-            metavar=f.name.upper(),
+            metavar=getattr(f.metadata["type"], "metavar", f.name.upper()),
         )
 
 
@@ -490,7 +495,8 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
                             "and --freetoken-prefill-cpu auto")
         if "cpu_branch" in given and cfg.miss_policy == "fill":
             problems.append("--freetoken-cpu-branch is used only by the qstar and cpu miss "
-                            "policies (fill never runs experts on the CPU)")
+                            "policies (fill runs no decode miss on the CPU; the prefill CPU "
+                            "share always uses host-function nodes)")
         if cfg.admission != "off" and cfg.miss_policy != "qstar":
             problems.append(
                 "--freetoken-admission is used only by --freetoken-miss-policy qstar (fill "

@@ -382,7 +382,7 @@ class FreeTokenRuntime:
             **method.format.executor_kwargs(method.base_method),
         )
         if prefill_cpu:
-            self._start_prefill_cpu()
+            self._start_prefill_cpu(max_tokens)
         if name == "fill":
             self.policy = MissPolicy("fill")
             return
@@ -426,12 +426,13 @@ class FreeTokenRuntime:
             )
         return self.bandwidth
 
-    def _start_prefill_cpu(self) -> None:
+    def _start_prefill_cpu(self, max_tokens: int) -> None:
         """The CPU share of streamed prefill (``execute/prefill_cpu.py``): the rule, from the
         flag's fraction or from B_P, B_H and the executor's measured cost per token, and the
         pinned buffers' owner."""
         from freetoken_sglang import bandwidth
-        from freetoken_sglang.execute.prefill_cpu import PrefillCpuPart, PrefillCpuRule
+        from freetoken_sglang.execute.prefill_cpu import PrefillCpuPart
+        from freetoken_sglang.execute.prefill_cpu_rule import PrefillCpuRule
 
         text = self.config.prefill_cpu
         if text == "auto":
@@ -445,7 +446,7 @@ class FreeTokenRuntime:
             rule = PrefillCpuRule(float(text), top_k=self.top_k, num_experts=self.num_experts)
         self.prefill_cpu_part = PrefillCpuPart(
             self.executor, self.pool.specs["w2_weight"].shape[0], self.top_k, self.act_dtype,
-            self.device, rule)
+            self.device, rule, max_rows=max_tokens)
 
     @property
     def prefill_cpu_rule(self):
@@ -506,7 +507,9 @@ class FreeTokenRuntime:
     def describe_prefill(self) -> str:
         c = self.choice
         if c.backend == "cpu" or c.layout_kind == "resident":
-            return "Prefill: no streaming (nothing to stream)."
+            unused = ("; --freetoken-prefill-cpu has no effect while every expert is resident"
+                      if self.prefill_cpu_part is not None else "")
+            return f"Prefill: no streaming (nothing to stream){unused}."
         if c.prefill == "lru":
             return "Prefill: through the decode LRU (--freetoken-prefill lru)."
         how = "full layers" if c.layout_kind == "stream" else "waves"

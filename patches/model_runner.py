@@ -86,7 +86,8 @@ def forward_raw(original, self, forward_batch, *args, **kwargs):
         result = original(self, forward_batch, *args, **kwargs)
     finally:
         rt.end_forward()
-    if rt.recorder is not None or rt.cpu_branch is not None or rt.replay is not None:
+    if (rt.recorder is not None or rt.cpu_branch is not None or rt.replay is not None
+            or rt.prefill_cpu_part is not None):
         rt.end_step("decode" if decode else "prefill", n)
     return result
 

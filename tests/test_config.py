@@ -48,6 +48,7 @@ def test_cli_flags_parse_into_config():
         ["--freetoken-cpu-threads", "0"],
         ["--freetoken-prefill-cpu", "1.5"],
         ["--freetoken-prefill-cpu", "half"],
+        ["--freetoken-prefill-cpu", "0"],
     ],
 )
 def test_bad_flag_values_are_argparse_errors(argv, capsys):
@@ -206,8 +207,13 @@ def test_launch_server_help_lists_the_flags():
         "--freetoken-bandwidth",
         "--freetoken-backend",
         "--freetoken-cpu-threads",
+        "--freetoken-prefill-cpu",
     ):
         assert flag in out.stdout
+    # choice flags show their choices, not a placeholder
+    for shown in ("--freetoken-fill-reused {off,on}", "--freetoken-stream-buffers {1,2}",
+                  "--freetoken-prefill-cpu {off,auto,F}"):
+        assert shown in out.stdout
 
 
 def test_launch_server_rejects_bad_value_before_loading():

@@ -177,10 +177,12 @@ REMISS_FAMILIES = ("qwen3_moe",)
 PREFILL_CPU_FAMILIES = ("qwen3_moe", "deepseek_v3")
 
 
-def serve_and_collect(path, args, log_path, logprobs=True):
-    server = start_server(path, args, log_path=log_path)
+def serve_and_collect(path, args, log_path, logprobs=True, collector=None, **server_kw):
+    """Start a server with ``args``, collect its outputs (``collector(url)``, default
+    ``collect``), its ``/freetoken/stats`` when FreeToken serves, and its log; stop it."""
+    server = start_server(path, args, log_path=log_path, **server_kw)
     try:
-        out = collect(server.url, logprobs)
+        out = collector(server.url) if collector else collect(server.url, logprobs)
         stats = None
         if "--enable-freetoken" in args:
             stats = requests.get(server.url + "/freetoken/stats", timeout=60).json()

@@ -309,7 +309,7 @@ def test_borrowed_buffers_evict_the_oldest_and_seed_the_last_layers(buffers, pub
 def test_prefill_cpu_rule():
     """The balance rule gives the CPU c = round(m * p / (p + h(t))) of m experts, fewer as
     the tokens per expert grow, none without residual host bandwidth; a share is exact."""
-    from freetoken_sglang.execute.prefill_cpu import PrefillCpuRule
+    from freetoken_sglang.execute.prefill_cpu_rule import PrefillCpuRule
 
     # S = 6 MB, B_P = 50, B_H = 150 GB/s: p = 120 us, h0 = 60 us; g = 2 us; k/E = 1/32
     rule = PrefillCpuRule.balanced(6_000_000, 50.0, 150.0, 2.0, 8, 256)
@@ -336,7 +336,8 @@ def test_streamed_prefill_with_a_cpu_share_matches_stock(borrow, published):
     the output matches stock, those experts are neither copied nor seeded into the LRU
     (every LRU slot still holds what its owner says), and the counts add up."""
     from freetoken_sglang.cpu_executor import CpuExpertExecutor
-    from freetoken_sglang.execute.prefill_cpu import PrefillCpuPart, PrefillCpuRule
+    from freetoken_sglang.execute.prefill_cpu import PrefillCpuPart
+    from freetoken_sglang.execute.prefill_cpu_rule import PrefillCpuRule
     from freetoken_sglang.execute.prefill_stream import PrefillStreamExecutor
 
     rt, pool, layers = _runtime(num_slots=2 * E + 6, buffers=2, borrow=borrow)
@@ -364,6 +365,29 @@ def test_streamed_prefill_with_a_cpu_share_matches_stock(borrow, published):
             assert counts["experts_reused"] == resident
         assert counts["experts_cpu"] > 0
         assert counts["experts_streamed"] + counts["experts_cpu"] + counts["experts_reused"] == L * E
+
+
+def test_executor_token_cost_is_measured_once_and_cached(tmp_path):
+    """g (us per token-expert item, for the auto rule) is the slope of a call's time over its
+    tokens per expert, positive on a real executor, and stored with the machine's profile."""
+    from freetoken_sglang import bandwidth
+    from freetoken_sglang.cpu_executor import CpuExpertExecutor
+    from freetoken_sglang.pool import HostExpertPool, bank_specs_for_layer
+
+    pool = HostExpertPool(list(range(2)), 16, bank_specs_for_layer(256, 128, torch.bfloat16))
+    for bank in pool.banks.values():
+        bank.normal_()
+    cache = str(tmp_path / "bw.json")
+    with CpuExpertExecutor(pool.banks, num_threads=2) as cpu:
+        g = bandwidth.resolve_token_cost(pool, cpu, torch.device("cpu"), 256, torch.bfloat16,
+                                         cache_path=cache)
+        assert g > 0
+        key = bandwidth.machine_key(torch.device("cpu"), 2,
+                                    bandwidth.expert_shape(pool.specs["w13_weight"]))
+        assert bandwidth.load_cached(cache, key) == {"G_H_us": g}
+        bandwidth.store_cached(cache, key, {"G_H_us": 1.5, "B_P": 1.0})
+        assert bandwidth.resolve_token_cost(pool, cpu, torch.device("cpu"), 256,
+                                            torch.bfloat16, cache_path=cache) == 1.5
 
 
 def test_waves_match_stock_and_leave_the_lru_alone(published):

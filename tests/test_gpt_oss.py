@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import requests
 
-from sglang_cpu import start_server
-from test_e2e_families import CACHE_25, CHUNK, _top2, assert_same_tokens, transformers_greedy
+from test_e2e_families import (CACHE_25, CHUNK, _top2, assert_same_tokens, serve_and_collect,
+                               transformers_greedy)
 
 # Ten layers, as test_e2e_families.FAMILY_SHAPES: at 25% the prefill streams.
 SHAPE = dict(num_layers=10, num_experts=8, top_k=2)
@@ -56,16 +56,8 @@ def generate(url):
 
 
 def serve(path, flags, log_path):
-    server = start_server(path, CHUNK + TRITON_ATTENTION + flags, log_path=log_path,
-                          timeout=600)
-    try:
-        out = generate(server.url)
-        stats = None
-        if "--enable-freetoken" in flags:
-            stats = requests.get(server.url + "/freetoken/stats", timeout=60).json()
-    finally:
-        server.stop()
-    return out, stats, server.log()
+    return serve_and_collect(path, CHUNK + TRITON_ATTENTION + flags, log_path,
+                             collector=generate, timeout=600)
 
 
 def test_gpt_oss_matches_stock_sglang_and_transformers(tiny_checkpoint, tmp_path):

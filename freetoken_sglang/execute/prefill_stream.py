@@ -124,8 +124,11 @@ class PrefillStreamExecutor:
     def end_forward(self) -> None:
         """End of a forward (also one that raised): give borrowed buffers back to the LRU;
         its snapshot and buffers are no longer valid."""
+        if self.cpu_part is not None:
+            self.cpu_part.abandon()
         if self.lent:
             self._give_back()
+        self.rows = 0
         self.pending.clear()
         self.holds.clear()
         self.cpu_masks.clear()
@@ -275,7 +278,7 @@ class PrefillStreamExecutor:
             rows = min(self.rows, x.shape[0])
             experts, weights, topk_ids = part.items(
                 ordinal, self.E, mask, topk_ids, topk_weights, routed_scale(layer, x))
-            part.launch(x, experts, weights, rows, int(self.cpu_count.get(ordinal, 0)),
+            part.launch(x, experts, weights, rows, ordinal, int(self.cpu_count.get(ordinal, 0)),
                         self.cpu_rule.tokens_per_expert(rows))  # before x may be overwritten
         if loaded is not None:
             reached = torch.cuda.Event(enable_timing=True)

@@ -18,7 +18,7 @@ def prefill_stream_counts(rt) -> Dict[str, object]:
     out = dict(layer_calls=0, experts_streamed=0, experts_reused=0, wave_calls=0, wait_s=0.0,
                lru_evicted=0, lru_seeded=0, experts_cpu=0, cpu_s=0.0)
     for key, value in (getattr(rt, "stream_carry", None) or {}).items():  # before resizes
-        if key in out:
+        if key in out and key != "cpu_s":  # (the CPU share's part outlives resizes)
             out[key] += value
     stream = rt.executors.get("stream")
     if stream is not None:
