@@ -522,7 +522,8 @@ class FreeTokenRuntime:
         )
         if self.prefill_cpu_rule is not None:
             text += "; CPU share: " + (self.prefill_cpu_rule.describe() if c.layout_kind == "stream"
-                                       else "none in waves (the cache holds no two layers)")
+                                       else "none: prefill runs in waves, the cache being smaller than the "
+                                       "two full layers plus top-k slots that streaming needs")
         return text + "."
 
     def begin_forward(self, phase: str, num_tokens: int, mixed: bool = False) -> None:

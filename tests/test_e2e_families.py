@@ -165,6 +165,9 @@ POLICIES = {
                      "--freetoken-fill-reused", "on"],
     # streamed prefill with half of each layer's non-resident experts on the C executor
     "fill-prefillcpu": ["--freetoken-miss-policy", "fill", "--freetoken-prefill-cpu", "0.5"],
+    # ... with the balance rule: B_P = B_H / 2 from the flag, g measured at start
+    "fill-prefillauto": ["--freetoken-miss-policy", "fill", "--freetoken-prefill-cpu", "auto",
+                         "--freetoken-bandwidth", "20,40"],
 }
 
 # The admission variant runs on two families of different routing (softmax top-k without
@@ -175,6 +178,7 @@ REMISS_FAMILIES = ("qwen3_moe",)
 # The prefill CPU share on a family with plain softmax top-k and on one with grouped sigmoid
 # top-k, a shared expert and a routed scaling factor.
 PREFILL_CPU_FAMILIES = ("qwen3_moe", "deepseek_v3")
+PREFILL_AUTO_FAMILIES = ("qwen3_moe",)
 
 
 def serve_and_collect(path, args, log_path, logprobs=True, collector=None, **server_kw):
@@ -247,7 +251,8 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
     for variant, flags in POLICIES.items():
         if (variant == "qstar-admit" and family not in ADMIT_FAMILIES
                 or variant == "qstar-remiss" and family not in REMISS_FAMILIES
-                or variant == "fill-prefillcpu" and family not in PREFILL_CPU_FAMILIES):
+                or variant == "fill-prefillcpu" and family not in PREFILL_CPU_FAMILIES
+                or variant == "fill-prefillauto" and family not in PREFILL_AUTO_FAMILIES):
             continue  # (CI time) the rules are family-independent decision code
         policy = variant.split("-")[0]
         got, stats, log = serve_and_collect(
@@ -281,6 +286,12 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
         if variant == "fill-prefillcpu":
             assert stats["prefill_cpu"]["share"] == 0.5 and stream["experts_cpu"] > 0
             assert "CPU share: 0.5 of each streamed layer" in log
+        elif variant == "fill-prefillauto":
+            rule = stats["prefill_cpu"]
+            assert rule["share"] is None and rule["p_us"] == rule["h0_us"] > 0  # B_H - B_P = B_P
+            assert rule["g_us"] > 0 and stream["experts_cpu"] > 0
+            assert "CPU share: balance rule" in log
+            assert stats["bandwidth"]["ratio"] == 0.5
         else:
             assert stats["prefill_cpu"] == "off" and stream["experts_cpu"] == 0
         if policy == "fill":

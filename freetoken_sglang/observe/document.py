@@ -89,9 +89,13 @@ def stats_document(rt) -> Dict[str, object]:
             "stream_min_tokens": rt.choice.stream_min_rows,
         }
     rule = getattr(rt, "prefill_cpu_rule", None)
-    out["prefill_cpu"] = "off" if rule is None else {
-        "share": rule.share, "p_us": rule.p_us, "h0_us": rule.h0_us, "g_us": rule.g_us,
-        "rule": rule.describe()}
+    if rule is None:
+        out["prefill_cpu"] = "off"
+    elif rule.share is not None:
+        out["prefill_cpu"] = {"share": rule.share, "rule": rule.describe()}
+    else:
+        out["prefill_cpu"] = {"share": None, "p_us": rule.p_us, "h0_us": rule.h0_us,
+                              "g_us": rule.g_us, "rule": rule.describe()}
     if rt.bandwidth is not None:
         out["bandwidth"] = {
             "B_P": rt.bandwidth.b_p,
