@@ -199,8 +199,8 @@ class FreeTokenConfig:
         metadata=dict(
             type=_choice("doorbell", "host-node"),
             help="How the GPU hands a decode layer call's CPU experts to the C executor (qstar "
-            "and cpu on a GPU; the prefill CPU share always uses host-function nodes): doorbell (default) writes them into mapped host memory for a "
-            "polling thread, and a call without CPU experts costs two kernels that return at "
+            "and cpu on a GPU; the prefill CPU share always uses host-function nodes): doorbell "
+            "(default) writes them into mapped host memory for a polling thread, and a call without CPU experts costs two kernels that return at "
             "once; host-node runs a CUDA host-function node on every layer call.",
         ),
     )

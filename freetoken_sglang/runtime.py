@@ -521,9 +521,10 @@ class FreeTokenRuntime:
             f"{src}), without LRU fills"
         )
         if self.prefill_cpu_rule is not None:
-            text += "; CPU share: " + (self.prefill_cpu_rule.describe() if c.layout_kind == "stream"
-                                       else "none: prefill runs in waves, the cache being smaller than the "
-                                       "two full layers plus top-k slots that streaming needs")
+            text += "; CPU share: " + (
+                self.prefill_cpu_rule.describe() if c.layout_kind == "stream"
+                else "none: prefill runs in waves, the cache being smaller than the two full "
+                "layers plus top-k slots that streaming needs")
         return text + "."
 
     def begin_forward(self, phase: str, num_tokens: int, mixed: bool = False) -> None:

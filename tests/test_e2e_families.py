@@ -282,7 +282,8 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
         assert stream["layer_calls"] > stream["wave_calls"]
         assert stream["experts_streamed"] > 0
         assert (stream["lru_seeded"] > 0) == (buffers == "borrowed")
-        assert stream["bytes_streamed"] == stream["experts_streamed"] * stats["pool"]["expert_bytes"]
+        assert (stream["bytes_streamed"]
+                == stream["experts_streamed"] * stats["pool"]["expert_bytes"])
         if variant == "fill-prefillcpu":
             assert stats["prefill_cpu"]["share"] == 0.5 and stream["experts_cpu"] > 0
             assert "CPU share: 0.5 of each streamed layer" in log

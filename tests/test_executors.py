@@ -364,7 +364,8 @@ def test_streamed_prefill_with_a_cpu_share_matches_stock(borrow, published):
             assert counts["experts_cpu"] == sum(round(m * 0.5) for m in missing) > 0
             assert counts["experts_reused"] == resident
         assert counts["experts_cpu"] > 0
-        assert counts["experts_streamed"] + counts["experts_cpu"] + counts["experts_reused"] == L * E
+        assert (counts["experts_streamed"] + counts["experts_cpu"]
+                + counts["experts_reused"]) == L * E
 
 
 def test_executor_token_cost_is_measured_once_and_cached(tmp_path):

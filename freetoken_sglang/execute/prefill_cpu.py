@@ -49,6 +49,7 @@ class PrefillCpuPart:
         self._timings = []  # (start, end, experts, tokens per expert) of queued runs
         self.observed = []  # (us per expert, tokens per expert, experts) of finished runs
         self._staged = None
+        self._unchecked = False  # runs launched whose status check has not yet seen them end
         if self.on_cuda:
             self.stream = torch.cuda.Stream(self.device)
             if max_rows:
@@ -152,6 +153,7 @@ class PrefillCpuPart:
         done.record(self.stream)
         self._staged = (done, task)
         self._timings.append((start, end, n_experts, per_expert))
+        self._unchecked = True
         self.calls += 1
 
     def merge(self, gpu_out: torch.Tensor, rows: int) -> torch.Tensor:
@@ -172,7 +174,7 @@ class PrefillCpuPart:
             self.calls += 1
             gpu_out[:rows].add_(out)
             return gpu_out
-        done, task = staged
+        done, _task = staged  # (the descriptor lives until its node has run)
         torch.cuda.current_stream().wait_event(done)
         gpu_out[:rows].add_(self.out_dev[:rows])  # (fp32 sum, rounded once to the layer dtype)
         return gpu_out
@@ -186,21 +188,17 @@ class PrefillCpuPart:
 
     def check(self) -> None:
         """Raise if a host-node run failed (its partial was zeroed), and add the finished
-        runs' times to ``cpu_s``. Off the hot path (after a step, or the stats).
+        runs' times to ``cpu_s``. After each step: returns at once when no run was launched
+        since the last check that saw every run end (decode steps launch none).
 
         Raises:
             RuntimeError: naming the C error and the offending item.
         """
+        if not self._unchecked:
+            return
         from freetoken_sglang.cpu_executor import _strerror
 
-        for (rows, ordinal), task in self.tasks.items():
-            if task.status != 0:
-                what = f"{_strerror(task.status)} (item {task.error_index})"
-                task._struct.status = 0  # raised once
-                raise RuntimeError(
-                    "FreeToken: the CPU expert executor failed in a streamed prefill call of "
-                    f"{rows} rows at MoE layer {ordinal}: {what}")
-        keep = []
+        keep = []  # the timings first: a run seen to end here has its final status below
         for start, end, n, t in self._timings:
             if end.query():
                 ms = start.elapsed_time(end)
@@ -210,3 +208,11 @@ class PrefillCpuPart:
             else:
                 keep.append((start, end, n, t))
         self._timings = keep
+        for (rows, ordinal), task in self.tasks.items():
+            if task.status != 0:
+                what = f"{_strerror(task.status)} (item {task.error_index})"
+                task._struct.status = 0  # raised once
+                raise RuntimeError(
+                    "FreeToken: the CPU expert executor failed in a streamed prefill call of "
+                    f"{rows} rows at MoE layer {ordinal}: {what}")
+        self._unchecked = bool(keep)  # runs still queued: look again next time

@@ -85,11 +85,10 @@ class PrefillStreamExecutor:
         # the CPU share's rule, as calibrated so far (execute/prefill_cpu.py)
         self.cpu_rule = self.cpu_part.rule if self.cpu_part is not None else None
         self.rows = 0  # the streamed forward's real rows (begin_forward)
-        # layer -> bool [E] on the device: its experts the CPU runs in this forward
-        self.cpu_masks: Dict[int, torch.Tensor] = {}
-        # buffer -> (mask, count) of the CPU experts of the layer it holds (never copied)
+        # layer -> (bool [E] on the device, count): its experts the CPU runs in this forward
+        self.cpu_masks: Dict[int, Tuple[torch.Tensor, int]] = {}
+        # buffer -> the same for the layer it holds (those experts were never copied into it)
         self.held_cpu: Dict[int, Tuple[torch.Tensor, int]] = {}
-        self.cpu_count: Dict[int, int] = {}  # layer -> its CPU experts in this forward
         self.res_host: Optional[torch.Tensor] = None
         self.counts = {k: 0 for k in STREAM_FIELDS}
         self.wait_s = 0.0
@@ -133,7 +132,6 @@ class PrefillStreamExecutor:
         self.holds.clear()
         self.cpu_masks.clear()
         self.held_cpu.clear()
-        self.cpu_count.clear()
         self.res_host = None
 
     def _start(self) -> None:
@@ -224,9 +222,8 @@ class PrefillStreamExecutor:
                 on_cpu = absent[len(absent) - c:]
                 mask = torch.zeros(E, dtype=torch.bool, pin_memory=self.on_cuda)
                 mask[on_cpu] = True
-                self.cpu_masks[ordinal] = mask.to(self.device, non_blocking=True)
-                self.held_cpu[b] = (self.cpu_masks[ordinal], c)  # not in the buffer
-                self.cpu_count[ordinal] = c
+                self.cpu_masks[ordinal] = (mask.to(self.device, non_blocking=True), c)
+                self.held_cpu[b] = self.cpu_masks[ordinal]
                 for e in on_cpu:
                     missing[e] = False
                 self.counts["experts_cpu"] += c
@@ -272,13 +269,13 @@ class PrefillStreamExecutor:
         if self.buffers == 2 and ordinal + 1 < self.L and ordinal + 1 not in self.pending:
             self._issue(ordinal + 1)
         b, loaded = self.pending.pop(ordinal)
-        mask = self.cpu_masks.pop(ordinal, None)
+        mask, c = self.cpu_masks.pop(ordinal, (None, 0))
         if mask is not None:  # the CPU starts without waiting for the layer's copy
             part = self.cpu_part
             rows = min(self.rows, x.shape[0])
             experts, weights, topk_ids = part.items(
                 ordinal, self.E, mask, topk_ids, topk_weights, routed_scale(layer, x))
-            part.launch(x, experts, weights, rows, ordinal, int(self.cpu_count.get(ordinal, 0)),
+            part.launch(x, experts, weights, rows, ordinal, c,
                         self.cpu_rule.tokens_per_expert(rows))  # before x may be overwritten
         if loaded is not None:
             reached = torch.cuda.Event(enable_timing=True)
