@@ -25,7 +25,8 @@ prompts stream too: for prompts over the crossover it is the default), ``ft-rese
 (the same with buffers reserved outside the LRU), ``ft-stream1`` (one buffer: no overlap),
 ``ft-lru`` (prefill through the decode LRU, the path before streaming), ``ft-pcpu-V``
 (streaming with ``--freetoken-prefill-cpu V``: ``auto`` or a fraction of each layer's
-non-resident experts run by the C executor).
+non-resident experts run by the C executor), ``ft-pcpu-V-ISA`` (the same with
+``--freetoken-cpu-isa ISA``, e.g. ``ft-pcpu-auto-amx``).
 """
 
 from __future__ import annotations
@@ -312,9 +313,11 @@ def main(argv=None) -> int:
         print(report(doc, os.path.dirname(os.path.abspath(a.report))))
         return 0
     names = [s for s in a.systems.split(",") if s]
-    for s in names:  # ft-pcpu-V: ft with --freetoken-prefill-cpu V (auto or a fraction)
+    for s in names:  # ft-pcpu-V[-ISA]: --freetoken-prefill-cpu V [--freetoken-cpu-isa ISA]
         if s.startswith("ft-pcpu-"):
-            SYSTEMS[s] = FT + ["--freetoken-prefill-cpu", s[len("ft-pcpu-"):]]
+            value, _, isa = s[len("ft-pcpu-"):].partition("-")
+            SYSTEMS[s] = FT + ["--freetoken-prefill-cpu", value] + (
+                ["--freetoken-cpu-isa", isa] if isa else [])
     bad = [s for s in names if s not in SYSTEMS]
     if bad:
         raise SystemExit(f"--systems: unknown {bad}; choose from {sorted(SYSTEMS)}")

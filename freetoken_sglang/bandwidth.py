@@ -171,12 +171,15 @@ def measure_executor(executor, hidden: int, dtype: torch.dtype, expert_bytes: in
 
 
 def measure_executor_tokens(executor, hidden: int, dtype: torch.dtype,
-                            tokens: Tuple[int, int] = (1, 32), experts_per_call: int = 8,
+                            tokens: Optional[Tuple[int, int]] = None, experts_per_call: int = 8,
                             repeats: int = 5) -> float:
     """g in us: the CPU executor's time per (token, expert) item beyond reading the expert,
     the slope of a call's time over the tokens each of its ``experts_per_call`` random
-    experts gets (``tokens``: two counts; median of ``repeats``), for the prefill CPU share's
-    rule (``execute/prefill_cpu.py``)."""
+    experts gets (``tokens``: two counts, default (1, 32), or (32, 256) when the executor
+    runs such experts on AMX tiles, where the tiles' compute shows; median of ``repeats``),
+    for the prefill CPU share's rule (``execute/prefill_cpu.py``)."""
+    if tokens is None:
+        tokens = (32, 256) if executor.tiled else (1, 32)
     rng = random.Random(4)
     n_experts = executor.num_experts
     k = min(experts_per_call, n_experts)
@@ -201,14 +204,17 @@ def measure_executor_tokens(executor, hidden: int, dtype: torch.dtype,
 def resolve_token_cost(pool, executor, device: torch.device, hidden: int,
                        act_dtype: torch.dtype, cache_path: str = DEFAULT_CACHE) -> float:
     """g (us per token-expert item; ``measure_executor_tokens``) from the cached profile of
-    this machine and expert shape, else measured now (under a second) and stored there."""
+    this machine and expert shape, else measured now (under a second) and stored there
+    (under ``G_H_us_<kernel path>``: AMX tiles change it)."""
     key = machine_key(device, executor.num_threads, expert_shape(pool.specs["w13_weight"]))
     cached = load_cached(cache_path, key) or {}
-    if "G_H_us" in cached:
-        return float(cached["G_H_us"])
+    field = f"G_H_us_{executor.isa}"
+    if field in cached:
+        return float(cached[field])
     g = measure_executor_tokens(executor, hidden, act_dtype)
-    store_cached(cache_path, key, {**cached, "G_H_us": g})
-    logger.info("FreeToken: the CPU executor's cost per token-expert item: %.3f us", g)
+    store_cached(cache_path, key, {**cached, field: g})
+    logger.info("FreeToken: the CPU executor's cost per token-expert item (%s): %.3f us",
+                executor.isa, g)
     return g
 
 

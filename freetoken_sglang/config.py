@@ -230,6 +230,17 @@ class FreeTokenConfig:
             help="Threads of the CPU expert executor (default: one per physical core).",
         ),
     )
+    cpu_isa: str = field(
+        default="auto",
+        metadata=dict(
+            type=_choice("auto", "portable", "avx2", "avx512", "avx512_bf16", "amx"),
+            help="Kernel path of the CPU expert executor: auto (default) picks the best "
+            "this CPU has among portable, avx2, avx512 and avx512_bf16; amx adds AMX-BF16 "
+            "tiles for the experts of a call with several tokens (prefill CPU share, "
+            "batches; BF16 experts, not yet measured on a GPU machine, so auto does not "
+            "pick it).",
+        ),
+    )
 
     prefill: str = field(
         default="stream",
@@ -511,12 +522,13 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
                 "--freetoken-fill-reused on with --freetoken-admission reuse fills exactly the "
                 "reused misses and leaves q* nothing to split: give one of them"
             )
-        if cfg.cpu_threads is not None and cfg.miss_policy == "fill" and cfg.prefill_cpu == "off":
-            problems.append(
-                "--freetoken-cpu-threads is used only when misses run on the CPU "
-                "(--freetoken-miss-policy qstar or cpu, --freetoken-prefill-cpu, or "
-                "--freetoken-backend cpu)"
-            )
+        for name in ("cpu_threads", "cpu_isa"):
+            if name in given and cfg.miss_policy == "fill" and cfg.prefill_cpu == "off":
+                problems.append(
+                    f"{cli_name(name)} is used only when misses run on the CPU "
+                    "(--freetoken-miss-policy qstar or cpu, --freetoken-prefill-cpu, or "
+                    "--freetoken-backend cpu)"
+                )
         if cfg.prefill == "lru":
             for name in ("stream_min_tokens", "stream_buffers", "prefill_buffers", "prefill_cpu"):
                 if name in given:

@@ -22,8 +22,12 @@ except ImportError as _exc:  # pragma: no cover - exercised through a subprocess
 
 __all__ = ["CpuExpertExecutor", "CpuMoeTask", "IsaNotSupportedError", "ISAS"]
 
-#: Kernel paths, slowest first ("auto" picks the last one the CPU supports).
-ISAS = ("portable", "avx2", "avx512", "avx512_bf16")
+#: Kernel paths, slowest first ("auto" picks the last one the CPU supports, "amx" and
+#: "amx_emulated" aside). "amx" is "avx512_bf16" plus AMX-BF16 tiles for the experts of a
+#: call with at least ``tile_min`` tokens (dense BF16 pools, H and I multiples of 32:
+#: prefill-sized CPU work); asked for by name until it is measured in a server.
+#: "amx_emulated" runs those tiles' layouts in portable C (tests on CPUs without AMX).
+ISAS = ("portable", "amx_emulated", "avx2", "avx512", "avx512_bf16", "amx")
 
 _ISA_CODE = {
     "auto": _lib.FT_ISA_AUTO,
@@ -31,6 +35,8 @@ _ISA_CODE = {
     "avx2": _lib.FT_ISA_AVX2,
     "avx512": _lib.FT_ISA_AVX512,
     "avx512_bf16": _lib.FT_ISA_AVX512_BF16,
+    "amx": _lib.FT_ISA_AMX,
+    "amx_emulated": _lib.FT_ISA_AMX_EMULATED,
 }
 _DTYPE_CODE = {
     torch.float32: _lib.FT_DTYPE_F32,
@@ -585,6 +591,31 @@ class CpuExpertExecutor:
         rc = _lib.ft_executor_set_isa(self._ex, code)
         if rc != _lib.FT_OK:
             raise IsaNotSupportedError(f"set_isa({isa!r}) failed: {_strerror(rc)}")
+
+    @property
+    def tile_min(self) -> int:
+        """Experts with at least this many tokens in a call run on AMX tiles (when
+        :attr:`tiled`)."""
+        self._require_open()
+        return int(_lib.ft_executor_tile_min(self._ex))
+
+    def set_tile_min(self, tokens: int) -> None:
+        """Set :attr:`tile_min` (>= 1) for later calls.
+
+        Raises:
+            ValueError: ``tokens`` < 1.
+        """
+        self._require_open()
+        if int(tokens) < 1 or _lib.ft_executor_set_tile_min(self._ex, int(tokens)) != _lib.FT_OK:
+            raise ValueError(f"tile_min must be at least 1, got {tokens!r}")
+
+    @property
+    def tiled(self) -> bool:
+        """True when later calls run experts of at least :attr:`tile_min` tokens on tiles:
+        an AMX path (``"amx"`` or ``"amx_emulated"``) on a dense BF16 pool with H and I
+        multiples of 32."""
+        self._require_open()
+        return bool(_lib.ft_executor_tiled(self._ex))
 
     @property
     def schedule(self) -> str:

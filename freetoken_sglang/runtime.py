@@ -364,7 +364,7 @@ class FreeTokenRuntime:
             self.policy = MissPolicy("fill")
             return
         from freetoken_sglang.cpu_branch import CpuBranch
-        from freetoken_sglang.cpu_executor import CpuExpertExecutor
+        from freetoken_sglang.cpu_executor import CpuExpertExecutor, IsaNotSupportedError
 
         method = self.layers[self.moe_layer_ids[0]]  # its FreeTokenMoEMethod
         cfg = method.moe_runner_config
@@ -372,15 +372,19 @@ class FreeTokenRuntime:
         # Triton runner reads them (``triton_utils/fused_moe.py`` in 0.5.17): the layout flag
         # matters only with gemm1_alpha; without it a gated MLP has gate rows, then up rows.
         alpha = cfg.gemm1_alpha
-        self.executor = CpuExpertExecutor(
-            self.pool.banks,
-            activation=cfg.activation,
-            num_threads=self.config.cpu_threads,
-            gemm1_alpha=alpha,
-            gemm1_limit=cfg.gemm1_clamp_limit if alpha is not None else None,
-            gate_up_interleaved=bool(cfg.gate_up_interleaved) if alpha is not None else False,
-            **method.format.executor_kwargs(method.base_method),
-        )
+        try:
+            self.executor = CpuExpertExecutor(
+                self.pool.banks,
+                activation=cfg.activation,
+                num_threads=self.config.cpu_threads,
+                isa=self.config.cpu_isa,
+                gemm1_alpha=alpha,
+                gemm1_limit=cfg.gemm1_clamp_limit if alpha is not None else None,
+                gate_up_interleaved=bool(cfg.gate_up_interleaved) if alpha is not None else False,
+                **method.format.executor_kwargs(method.base_method),
+            )
+        except IsaNotSupportedError as exc:
+            raise RefusedError(f"--freetoken-cpu-isa {self.config.cpu_isa}: {exc}") from None
         if prefill_cpu:
             self._start_prefill_cpu(max_tokens)
         if name == "fill":

@@ -43,10 +43,18 @@
 #include <unistd.h>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define FT_X86 1
 #else
 #define FT_X86 0
+#endif
+/* AMX tile intrinsics: GCC 11+ or clang 12+ (older compilers build without the AMX path). */
+#if FT_X86 && ((defined(__clang__) && __clang_major__ >= 12) || \
+               (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define FT_HAVE_AMX 1
+#else
+#define FT_HAVE_AMX 0
 #endif
 
 #define FT_TMAX 4          /* most token vectors one micro-kernel call takes */
@@ -54,6 +62,9 @@
 #define FT_ALIGN 64        /* cache line */
 #define FT_OUT_BLOCK 16    /* phase-2 output rows are split in blocks of one fp32 line */
 #define FT_INTER_BLOCK 16  /* phase-1 units: 16 gate/up row pairs */
+#define FT_TILE 16         /* tiled path: 16 weight rows x 16 tokens per tile product */
+#define FT_KCHUNK 32       /* tiled path: bf16 elements of K per tile (64 bytes) */
+#define FT_DEFAULT_TILE_MIN 4
 #define FT_DEFAULT_SPIN_US 200
 
 /* ------------------------------------------------------------------------------------ */
@@ -786,6 +797,98 @@ static FT_AVX512BF16 void avx512bf16_dot(const void *const *w, const void *const
     }
 }
 
+
+/* ---- Tile products (AMX-BF16, or the same in portable C) ----------------------------- */
+/* c[2 * ia + ib][m][n] (fp32 [4][16][16]) = sum over chunks kc < nk of
+ *   sum_{i < 32} A_ia[m][32 kc + i] * B_ib(kc)[i / 2][n][i % 2],
+ * A_ia: 16 bf16 weight rows, row m at a_ia + m * a_stride (chunk kc at +64 kc bytes);
+ * B_ib(kc): the VNNI chunk at b_ib + 1024 kc (16 rows of 16 tokens x 2 bf16). Pass a1 = a0
+ * or b1 = b0 when there is only one; prefetch: the A rows are cold (first token pass). */
+typedef void (*ft_tile_fn)(const uint8_t *a0, const uint8_t *a1, size_t a_stride,
+                           const uint8_t *b0, const uint8_t *b1, int nk, int prefetch, float *c);
+
+static void emulated_tile(const uint8_t *a0, const uint8_t *a1, size_t a_stride,
+                          const uint8_t *b0, const uint8_t *b1, int nk, int prefetch, float *c) {
+    (void)prefetch;
+    const uint8_t *as[2] = {a0, a1}, *bs[2] = {b0, b1};
+    for (int q = 0; q < 4; q++) {
+        float *cq = c + q * FT_TILE * FT_TILE;
+        memset(cq, 0, FT_TILE * FT_TILE * sizeof(float));
+        for (int kc = 0; kc < nk; kc++) {
+            const uint16_t *bk = (const uint16_t *)(bs[q & 1] + (size_t)kc * 1024);
+            for (int m = 0; m < FT_TILE; m++) {
+                const uint16_t *am =
+                    (const uint16_t *)(as[q >> 1] + (size_t)m * a_stride + (size_t)kc * 64);
+                for (int r = 0; r < FT_TILE; r++) {
+                    float x0 = bf16_to_f32(am[2 * r]), x1 = bf16_to_f32(am[2 * r + 1]);
+                    const uint16_t *br = bk + r * 32;
+                    for (int n = 0; n < FT_TILE; n++)
+                        cq[m * FT_TILE + n] +=
+                            x0 * bf16_to_f32(br[2 * n]) + x1 * bf16_to_f32(br[2 * n + 1]);
+                }
+            }
+        }
+    }
+}
+
+#if FT_HAVE_AMX
+#define FT_AMX __attribute__((target("amx-tile,amx-bf16")))
+/* Palette 1, tiles 0-7 of 16 rows x 64 bytes: 0-1 the A rows, 2-3 the B chunks, 4-7 c. */
+static const struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) ft_tile_cfg = {
+    1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+static FT_AMX void amx_tile(const uint8_t *a0, const uint8_t *a1, size_t a_stride,
+                            const uint8_t *b0, const uint8_t *b1, int nk, int prefetch,
+                            float *c) {
+    _tile_loadconfig(&ft_tile_cfg);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int kc = 0; kc < nk; kc++) {
+        if (prefetch && kc + 4 < nk)
+            for (int m = 0; m < FT_TILE; m++) {
+                _mm_prefetch((const char *)a0 + (size_t)m * a_stride + (size_t)(kc + 4) * 64,
+                             _MM_HINT_T0);
+                _mm_prefetch((const char *)a1 + (size_t)m * a_stride + (size_t)(kc + 4) * 64,
+                             _MM_HINT_T0);
+            }
+        _tile_loadd(0, a0 + (size_t)kc * 64, (long)a_stride);
+        _tile_loadd(1, a1 + (size_t)kc * 64, (long)a_stride);
+        _tile_loadd(2, b0 + (size_t)kc * 1024, 64);
+        _tile_loadd(3, b1 + (size_t)kc * 1024, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(5, 0, 3);
+        _tile_dpbf16ps(6, 1, 2);
+        _tile_dpbf16ps(7, 1, 3);
+    }
+    _tile_stored(4, c, 64);
+    _tile_stored(5, c + 256, 64);
+    _tile_stored(6, c + 512, 64);
+    _tile_stored(7, c + 768, 64);
+    _tile_release();
+}
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+/* 1 if the CPU has AMX-TILE and AMX-BF16 and Linux lets this process use the tile data. */
+static int amx_usable(void) {
+    static _Atomic int state = -1;
+    int s = atomic_load(&state);
+    if (s >= 0) return s;
+    unsigned a, b, c, d;
+    s = 0;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 24)) && (d & (1u << 22)))
+        s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    atomic_store(&state, s);
+    return s;
+}
+#endif
+
 /* ---- STREAM-like read-reduce loops (4 independent accumulators). -------------------- */
 static FT_AVX2 uint64_t avx2_read(const uint8_t *p, size_t n) {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
@@ -854,11 +957,15 @@ int ft_isa_supported(int isa) {
         __builtin_cpu_init();
         return ft_isa_supported(FT_ISA_AVX512) && __builtin_cpu_supports("avx512bf16");
 #endif
+#if FT_HAVE_AMX
+    case FT_ISA_AMX: return ft_isa_supported(FT_ISA_AVX512_BF16) && amx_usable();
+#endif
+    case FT_ISA_AMX_EMULATED: return 1;
     default: return 0;
     }
 }
 
-int ft_best_isa(void) {
+int ft_best_isa(void) { /* AMX is asked for by name until it is measured on a server */
     for (int isa = FT_ISA_AVX512_BF16; isa > FT_ISA_PORTABLE; isa--)
         if (ft_isa_supported(isa)) return isa;
     return FT_ISA_PORTABLE;
@@ -871,6 +978,8 @@ const char *ft_isa_name(int isa) {
     case FT_ISA_AVX2: return "avx2";
     case FT_ISA_AVX512: return "avx512";
     case FT_ISA_AVX512_BF16: return "avx512_bf16";
+    case FT_ISA_AMX: return "amx";
+    case FT_ISA_AMX_EMULATED: return "amx_emulated";
     default: return "unknown";
     }
 }
@@ -888,8 +997,17 @@ const char *ft_strerror(int code) {
     }
 }
 
+/* The path that runs what the tiles do not: AVX512_BF16 under AMX, PORTABLE under
+ * AMX_EMULATED. */
+static int base_isa(int isa) {
+    return isa == FT_ISA_AMX ? FT_ISA_AVX512_BF16
+           : isa == FT_ISA_AMX_EMULATED ? FT_ISA_PORTABLE
+                                        : isa;
+}
+
 static ft_kernel select_kernel(int isa, int wdtype, int fmt) {
     ft_kernel k = {NULL, NULL, FT_TMAX, 0};
+    isa = base_isa(isa);
     if (fmt != FT_FMT_DENSE) {
 #if FT_X86
         if (isa == FT_ISA_AVX512 || isa == FT_ISA_AVX512_BF16) {
@@ -938,6 +1056,7 @@ static ft_kernel select_kernel(int isa, int wdtype, int fmt) {
 }
 
 static uint64_t read_reduce(int isa, const uint8_t *p, size_t n) {
+    isa = base_isa(isa);
 #if FT_X86
     if (isa >= FT_ISA_AVX512) return avx512_read(p, n);
     if (isa == FT_ISA_AVX2) return avx2_read(p, n);
@@ -1019,7 +1138,10 @@ typedef struct {
     int32_t expert;      /* flat expert id */
     int32_t start;       /* first sorted item */
     int32_t count;       /* items (tokens) of this expert */
+    int32_t tiled;       /* 1: this expert runs on tiles (then tile_block is its first) */
     int64_t unit_start;  /* first phase-1 unit of this expert, in the flattened unit space */
+    int64_t tile_block;  /* first 16-token block of this expert in xt / it */
+    _Atomic int32_t packed; /* tiled: 0 x not packed, 1 being packed, 2 packed */
 } ft_group;
 
 typedef struct {
@@ -1038,6 +1160,9 @@ struct ft_executor {
     int64_t s13_up_first;                 /* w13_scale_split: first up scale row */
     int isa;
     ft_kernel kern;
+    int tiles;                /* 1: AMX (or emulated) tiles for experts of >= tile_min tokens */
+    int tile_min;
+    ft_tile_fn tile;
     int nthreads;             /* compute threads, the caller included */
     int spin_us;
     pthread_t *threads;       /* [nthreads - 1] */
@@ -1090,6 +1215,12 @@ struct ft_executor {
     uint8_t *xconv;           /* [cap_xrows, x_stride] converted activations */
     uint8_t *inter;           /* [cap_items, inter_stride] intermediate act(gate)*up */
     size_t x_stride, inter_stride; /* bytes, multiples of FT_ALIGN */
+    /* Tiled experts: their tokens in blocks of 16 (the last block padded), in the layout
+     * a tile product reads as its second operand ("VNNI": per 32-element chunk of K, 16
+     * rows of 16 tokens x 2 consecutive elements, 1 KiB): xt holds x, it the intermediate. */
+    int64_t cap_tblocks;
+    uint8_t *xt;              /* [cap_tblocks, H / 32, 16, 16, 2] bf16 */
+    uint8_t *it;              /* [cap_tblocks, I / 32, 16, 16, 2] bf16 */
 };
 
 static void *aligned_or_null(size_t bytes) {
@@ -1228,6 +1359,136 @@ static inline void kdot(const ft_executor *ex, const void *const *w, const void 
         ex->kern.dot(w, pf, x, nt, n, res);
 }
 
+/* ---- Tiled experts ------------------------------------------------------------------ */
+
+/* Byte offset of element k (of a row of K) for token n in a VNNI block of 16 tokens. */
+static inline size_t vnni_at(int64_t k, int n) {
+    return (size_t)(k / FT_KCHUNK) * 1024 + (size_t)((k % FT_KCHUNK) / 2) * 64 +
+           (size_t)n * 4 + (size_t)(k & 1) * 2;
+}
+
+/* Pack the tokens of tiled group g into xt (bf16, the padding tokens zero), once: the first
+ * thread to reach the group packs it, the others wait for it. */
+static void pack_group_x(const ft_executor *ex, ft_group *g) {
+    int32_t st = atomic_load_explicit(&g->packed, memory_order_acquire);
+    if (st == 2) return;
+    if (st == 0 && atomic_compare_exchange_strong(&g->packed, &st, 1)) {
+        const ft_moe_task *t = ex->task;
+        const int64_t H = ex->pool.hidden;
+        const int nb = (g->count + FT_TILE - 1) / FT_TILE;
+        const size_t xrow = (size_t)t->x_row_stride * dtype_size(t->x_dtype);
+        for (int tok = 0; tok < nb * FT_TILE; tok++) {
+            uint8_t *blk = ex->xt + (size_t)(g->tile_block + tok / FT_TILE) * 32 * H;
+            const int n = tok % FT_TILE;
+            const uint8_t *src = tok < g->count
+                                     ? (const uint8_t *)t->x + (size_t)ex->s_rows[g->start + tok] * xrow
+                                     : NULL;
+            for (int64_t k = 0; k < H; k += 2) {
+                uint32_t pair = 0;
+                if (src) {
+                    uint16_t lo, hi;
+                    if (t->x_dtype == FT_DTYPE_BF16) {
+                        lo = ((const uint16_t *)src)[k];
+                        hi = ((const uint16_t *)src)[k + 1];
+                    } else {
+                        lo = f32_to_bf16(load_elem(src, k, t->x_dtype));
+                        hi = f32_to_bf16(load_elem(src, k + 1, t->x_dtype));
+                    }
+                    pair = (uint32_t)lo | ((uint32_t)hi << 16);
+                }
+                memcpy(blk + vnni_at(k, n), &pair, 4);
+            }
+        }
+        atomic_store_explicit(&g->packed, 2, memory_order_release);
+        return;
+    }
+    while (atomic_load_explicit(&g->packed, memory_order_acquire) != 2) cpu_relax();
+}
+
+/* Intermediate rows [j0, j0 + 16) of tiled group g, written to it in the VNNI layout. */
+static void phase1_tiled(const ft_executor *ex, ft_group *g, int64_t j0) {
+    const ft_pool_desc *p = &ex->pool;
+    const int64_t H = p->hidden, I = p->inter;
+    const size_t rb = ex->w13_row_bytes;
+    const uint8_t *base = (const uint8_t *)p->w13 + (size_t)g->expert * ex->up_rows * rb;
+    const int gated = p->gated, il = p->gate_up_interleaved;
+    const uint8_t *ag, *au;
+    size_t stride = rb;
+    int64_t jg[FT_TILE], ju[FT_TILE]; /* bank rows of gate / up row j0 + q */
+    for (int q = 0; q < FT_TILE; q++) {
+        int64_t j = j0 + q;
+        jg[q] = gated && il ? 2 * j : j;
+        ju[q] = !gated ? j : il ? 2 * j + 1 : I + j;
+    }
+    ag = base + (size_t)jg[0] * rb;
+    au = base + (size_t)ju[0] * rb;
+    if (gated && il) stride = 2 * rb;
+    float bg[FT_TILE], bu[FT_TILE];
+    const int64_t bias0 = g->expert * ex->up_rows;
+    for (int q = 0; q < FT_TILE; q++) {
+        bg[q] = p->w13_bias ? bias_at(p->w13_bias, bias0 + jg[q], p->bias_dtype) : 0.0f;
+        bu[q] = p->w13_bias ? bias_at(p->w13_bias, bias0 + ju[q], p->bias_dtype) : 0.0f;
+    }
+    pack_group_x(ex, g);
+    const int nb = (g->count + FT_TILE - 1) / FT_TILE;
+    float c[4 * FT_TILE * FT_TILE];
+    for (int tb = 0; tb < nb; tb += 2) {
+        const uint8_t *b0 = ex->xt + (size_t)(g->tile_block + tb) * 32 * H;
+        const int two = tb + 1 < nb;
+        ex->tile(ag, au, stride, b0, two ? b0 + 32 * H : b0, (int)(H / FT_KCHUNK), tb == 0, c);
+        for (int ib = 0; ib <= two; ib++) {
+            uint8_t *blk = ex->it + (size_t)(g->tile_block + tb + ib) * 32 * I;
+            const float *cg = c + ib * FT_TILE * FT_TILE, *cu = c + (2 + ib) * FT_TILE * FT_TILE;
+            for (int q = 0; q < FT_TILE; q++)
+                for (int n = 0; n < FT_TILE; n++) {
+                    float a = cg[q * FT_TILE + n] + bg[q];
+                    float v = gated ? gated_act(p, a, cu[q * FT_TILE + n] + bu[q])
+                                    : activate(a, p->activation);
+                    uint16_t h = f32_to_bf16(v);
+                    memcpy(blk + vnni_at(j0 + q, n), &h, 2);
+                }
+        }
+    }
+}
+
+/* Output rows [h0, h1) (multiples of 16) of tiled group g, added into out. */
+static void phase2_tiled(const ft_executor *ex, const ft_group *g, int64_t h0, int64_t h1) {
+    const ft_pool_desc *p = &ex->pool;
+    const ft_moe_task *task = ex->task;
+    const int64_t H = p->hidden, I = p->inter;
+    const size_t rb = ex->w2_row_bytes;
+    const uint8_t *base = (const uint8_t *)p->w2 + (size_t)g->expert * H * rb;
+    const int nb = (g->count + FT_TILE - 1) / FT_TILE;
+    float c[4 * FT_TILE * FT_TILE];
+    for (int64_t h = h0; h < h1; h += 2 * FT_TILE) {
+        const int two_a = h + FT_TILE < h1;
+        const uint8_t *a0 = base + (size_t)h * rb;
+        float b2[2 * FT_TILE];
+        for (int m = 0; m < (1 + two_a) * FT_TILE; m++)
+            b2[m] = p->w2_bias ? bias_at(p->w2_bias, g->expert * H + h + m, p->bias_dtype) : 0.0f;
+        for (int tb = 0; tb < nb; tb += 2) {
+            const uint8_t *b0 = ex->it + (size_t)(g->tile_block + tb) * 32 * I;
+            const int two_b = tb + 1 < nb;
+            ex->tile(a0, two_a ? a0 + FT_TILE * rb : a0, rb, b0, two_b ? b0 + 32 * I : b0,
+                     (int)(I / FT_KCHUNK), tb == 0, c);
+            for (int ia = 0; ia <= two_a; ia++)
+                for (int ib = 0; ib <= two_b; ib++) {
+                    const float *cq = c + (2 * ia + ib) * FT_TILE * FT_TILE;
+                    for (int n = 0; n < FT_TILE; n++) {
+                        int tok = (tb + ib) * FT_TILE + n;
+                        if (tok >= g->count) break;
+                        int item = g->start + tok;
+                        float wt = ex->s_weights[item];
+                        float *o = task->out + (size_t)ex->s_rows[item] * task->out_row_stride +
+                                   h + ia * FT_TILE;
+                        for (int m = 0; m < FT_TILE; m++)
+                            o[m] += wt * (cq[m * FT_TILE + n] + b2[ia * FT_TILE + m]);
+                    }
+                }
+        }
+    }
+}
+
 /* Intermediate rows [j0, j1) of group g. */
 static void phase1_group(const ft_executor *ex, const ft_group *g, int64_t j0, int64_t j1) {
     const ft_pool_desc *p = &ex->pool;
@@ -1291,7 +1552,10 @@ static void phase1_units(ft_executor *ex, int64_t ub, int64_t ue) {
         if (b >= e) continue;
         int64_t j0 = (b - gu0) * FT_INTER_BLOCK;
         int64_t j1 = (e - gu0) * FT_INTER_BLOCK;
-        phase1_group(ex, g, j0, j1 < I ? j1 : I);
+        if (g->tiled)
+            for (int64_t j = j0; j < j1; j += FT_TILE) phase1_tiled(ex, (ft_group *)g, j);
+        else
+            phase1_group(ex, g, j0, j1 < I ? j1 : I);
     }
 }
 
@@ -1322,6 +1586,10 @@ static void phase2_rows(ft_executor *ex, int64_t h0, int64_t h1) {
     float res[FT_ROWS * FT_TMAX];
     for (int gi = 0; gi < ex->n_groups; gi++) {
         const ft_group *g = &ex->groups[gi];
+        if (g->tiled) {
+            phase2_tiled(ex, g, h0, h1);
+            continue;
+        }
         const int64_t e = g->expert;
         const uint8_t *base = (const uint8_t *)p->w2 + (size_t)e * H * row_bytes;
         const uint8_t *sbase =
@@ -1528,11 +1796,13 @@ static void free_workspace(ft_executor *ex) {
     free(ex->row_map);
     free(ex->xconv);
     free(ex->inter);
+    free(ex->xt);
+    free(ex->it);
 }
 
 static int resolve_isa(int isa) {
     if (isa == FT_ISA_AUTO) return ft_best_isa();
-    if (isa < FT_ISA_PORTABLE || isa > FT_ISA_AVX512_BF16 || !ft_isa_supported(isa))
+    if (isa < FT_ISA_PORTABLE || isa > FT_ISA_AMX_EMULATED || !ft_isa_supported(isa))
         return FT_ERR_ISA;
     return isa;
 }
@@ -1604,6 +1874,18 @@ static void set_geometry(ft_executor *ex) {
     }
 }
 
+/* Tiles for the kernel path in use: an AMX path on a dense BF16 pool, H and I % 32 == 0. */
+static void set_tiles(ft_executor *ex) {
+    const ft_pool_desc *p = &ex->pool;
+    ex->tiles = (ex->isa == FT_ISA_AMX || ex->isa == FT_ISA_AMX_EMULATED) &&
+                p->format == FT_FMT_DENSE && p->dtype == FT_DTYPE_BF16 &&
+                p->hidden % FT_KCHUNK == 0 && p->inter % FT_KCHUNK == 0;
+    ex->tile = emulated_tile;
+#if FT_HAVE_AMX
+    if (ex->isa == FT_ISA_AMX) ex->tile = amx_tile;
+#endif
+}
+
 int ft_executor_create(const ft_pool_desc *pool, int num_threads, int isa, int spin_us,
                        int pin_threads, ft_executor **out) {
     if (!pool || !out || !pool->w13 || !pool->w2 || pool->hidden <= 0 || pool->inter <= 0 ||
@@ -1631,6 +1913,8 @@ int ft_executor_create(const ft_pool_desc *pool, int num_threads, int isa, int s
     set_geometry(ex);
     ex->isa = chosen;
     ex->kern = select_kernel(chosen, pool->dtype, pool->format);
+    ex->tile_min = FT_DEFAULT_TILE_MIN;
+    set_tiles(ex);
     ex->nthreads = num_threads;
     ex->dynamic = 1;
     ex->spin_us = spin_us < 0 ? FT_DEFAULT_SPIN_US : spin_us;
@@ -1693,9 +1977,21 @@ int ft_executor_set_isa(ft_executor *ex, int isa) {
     pthread_mutex_lock(&ex->run_lock);
     ex->isa = chosen;
     ex->kern = select_kernel(chosen, ex->pool.dtype, ex->pool.format);
+    set_tiles(ex);
     pthread_mutex_unlock(&ex->run_lock);
     return FT_OK;
 }
+
+int ft_executor_set_tile_min(ft_executor *ex, int min_tokens) {
+    if (!ex || min_tokens < 1) return FT_ERR_ARG;
+    pthread_mutex_lock(&ex->run_lock);
+    ex->tile_min = min_tokens;
+    pthread_mutex_unlock(&ex->run_lock);
+    return FT_OK;
+}
+
+int ft_executor_tile_min(const ft_executor *ex) { return ex ? ex->tile_min : FT_ERR_ARG; }
+int ft_executor_tiled(const ft_executor *ex) { return ex ? ex->tiles : FT_ERR_ARG; }
 
 int ft_executor_isa(const ft_executor *ex) { return ex ? ex->isa : FT_ERR_ARG; }
 
@@ -1834,24 +2130,8 @@ static int run_locked(ft_executor *ex, ft_moe_task *t) {
     else
         qsort(ex->keys, (size_t)nv, sizeof(uint64_t), cmp_u64);
 
-    /* Activation vectors: x itself when already in the kernel's format, else converted
-     * once per distinct token row. */
-    int x_native = ex->kern.x_bf16 ? t->x_dtype == FT_DTYPE_BF16 : t->x_dtype == FT_DTYPE_F32;
-    int n_xrows = 0;
-    if (!x_native) {
-        for (int r = 0; r < t->n_rows; r++) ex->row_map[r] = -1;
-        for (int s = 0; s < nv; s++) {
-            int32_t row = t->rows[(uint32_t)ex->keys[s]];
-            if (ex->row_map[row] < 0) ex->row_map[row] = n_xrows++;
-        }
-        if ((rc = reserve_xrows(ex, n_xrows))) return rc;
-        const size_t x_row_bytes = (size_t)t->x_row_stride * dtype_size(t->x_dtype);
-        for (int r = 0; r < t->n_rows; r++)
-            if (ex->row_map[r] >= 0)
-                convert_row(ex->xconv + (size_t)ex->row_map[r] * ex->x_stride,
-                            (const uint8_t *)t->x + (size_t)r * x_row_bytes, t->x_dtype, H,
-                            ex->kern.x_bf16);
-    }
+    /* Group the sorted items by expert; experts with at least tile_min tokens run on tiles
+     * (their tokens packed into xt by the compute threads). */
     int ng = 0;
     int64_t units_per_group = (p->inter + FT_INTER_BLOCK - 1) / FT_INTER_BLOCK;
     for (int s = 0; s < nv; s++) {
@@ -1865,14 +2145,57 @@ static int run_locked(ft_executor *ex, ft_moe_task *t) {
             ng++;
         }
         ex->groups[ng - 1].count++;
-        int32_t row = t->rows[i];
-        ex->s_rows[s] = row;
+        ex->s_rows[s] = t->rows[i];
         ex->s_weights[s] = t->weights[i];
-        ex->s_x[s] = x_native
-                         ? (const void *)((const uint8_t *)t->x +
+    }
+    int64_t tblocks = 0;
+    for (int gi = 0; gi < ng; gi++) {
+        ft_group *g = &ex->groups[gi];
+        g->tiled = ex->tiles && g->count >= ex->tile_min;
+        g->tile_block = tblocks;
+        atomic_store_explicit(&g->packed, 0, memory_order_relaxed);
+        if (g->tiled) tblocks += (g->count + FT_TILE - 1) / FT_TILE;
+    }
+    if (tblocks > ex->cap_tblocks) {
+        if (!grow((void **)&ex->xt, (size_t)tblocks * 32 * (size_t)H) ||
+            !grow((void **)&ex->it, (size_t)tblocks * 32 * (size_t)p->inter)) {
+            ex->cap_tblocks = 0;
+            return FT_ERR_NOMEM;
+        }
+        ex->cap_tblocks = tblocks;
+    }
+
+    /* Activation vectors of the other experts' items: x itself when already in the
+     * kernel's format, else converted once per distinct token row. */
+    int x_native = ex->kern.x_bf16 ? t->x_dtype == FT_DTYPE_BF16 : t->x_dtype == FT_DTYPE_F32;
+    int n_xrows = 0;
+    if (!x_native) {
+        for (int r = 0; r < t->n_rows; r++) ex->row_map[r] = -1;
+        for (int gi = 0; gi < ng; gi++) {
+            const ft_group *g = &ex->groups[gi];
+            if (g->tiled) continue;
+            for (int s = g->start; s < g->start + g->count; s++)
+                if (ex->row_map[ex->s_rows[s]] < 0) ex->row_map[ex->s_rows[s]] = n_xrows++;
+        }
+        if ((rc = reserve_xrows(ex, n_xrows))) return rc;
+        const size_t x_row_bytes = (size_t)t->x_row_stride * dtype_size(t->x_dtype);
+        for (int r = 0; r < t->n_rows; r++)
+            if (ex->row_map[r] >= 0)
+                convert_row(ex->xconv + (size_t)ex->row_map[r] * ex->x_stride,
+                            (const uint8_t *)t->x + (size_t)r * x_row_bytes, t->x_dtype, H,
+                            ex->kern.x_bf16);
+    }
+    for (int gi = 0; gi < ng; gi++) {
+        const ft_group *g = &ex->groups[gi];
+        if (g->tiled) continue;
+        for (int s = g->start; s < g->start + g->count; s++) {
+            int32_t row = ex->s_rows[s];
+            ex->s_x[s] =
+                x_native ? (const void *)((const uint8_t *)t->x +
                                           (size_t)row * (size_t)t->x_row_stride * act_esz)
                          : (const void *)(ex->xconv + (size_t)ex->row_map[row] * ex->x_stride);
-        ex->s_inter[s] = ex->inter + (size_t)s * ex->inter_stride;
+            ex->s_inter[s] = ex->inter + (size_t)s * ex->inter_stride;
+        }
     }
     ex->n_groups = ng;
     ex->n_units = (int64_t)ng * units_per_group;

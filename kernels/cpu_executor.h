@@ -58,14 +58,22 @@ enum { FT_FMT_DENSE = 0, FT_FMT_FP8_BLOCK = 1, FT_FMT_MXFP4 = 2, FT_FMT_NVFP4 = 
 
 /* Kernel paths. AVX512 needs AVX-512 F/BW/VL/DQ; AVX512_BF16 also AVX512_BF16 and then
  * runs dense BF16 weights with vdpbf16ps (activations rounded to BF16); for FP16/FP32 and
- * the quantized formats it is the AVX512 path (fp32 FMA). AUTO picks the best the CPU
- * supports. */
+ * the quantized formats it is the AVX512 path (fp32 FMA). AMX is AVX512_BF16 plus AMX-BF16
+ * tiles (16 weight rows x 16 tokens per tile product, fp32 accumulation) for every expert
+ * of a call with at least ft_executor_tile_min tokens, when the pool is dense BF16 with H
+ * and I multiples of 32 (prefill-sized CPU work); it needs Linux's AMX permission, which
+ * ft_isa_supported requests. AMX_EMULATED runs the same tiled layouts with the tile
+ * products computed in portable C and everything else on the PORTABLE path: it checks the
+ * tiled path on CPUs without AMX. AUTO picks the best of PORTABLE to AVX512_BF16 that the
+ * CPU supports (AMX only by name: not yet measured in a server). */
 enum {
     FT_ISA_AUTO = 0,
     FT_ISA_PORTABLE = 1,
     FT_ISA_AVX2 = 2,
     FT_ISA_AVX512 = 3,
-    FT_ISA_AVX512_BF16 = 4
+    FT_ISA_AVX512_BF16 = 4,
+    FT_ISA_AMX = 5,
+    FT_ISA_AMX_EMULATED = 6
 };
 
 /* Status codes (0 or negative). */
@@ -148,6 +156,14 @@ void ft_executor_destroy(ft_executor *ex);
 int ft_executor_set_isa(ft_executor *ex, int isa);
 /* The kernel path in use (never FT_ISA_AUTO). */
 int ft_executor_isa(const ft_executor *ex);
+/* Experts with at least min_tokens tokens in a call run on AMX tiles (paths AMX and
+ * AMX_EMULATED; >= 1; default 4). FT_OK, or FT_ERR_ARG. */
+int ft_executor_set_tile_min(ft_executor *ex, int min_tokens);
+/* The tile threshold in use. */
+int ft_executor_tile_min(const ft_executor *ex);
+/* 1 if later runs use tiles for large enough experts (an AMX path on a dense BF16 pool
+ * with H and I multiples of 32), else 0. */
+int ft_executor_tiled(const ft_executor *ex);
 /* How later runs share the work between the compute threads: 1 (the default), chunks handed
  * out from a counter and completion counted in chunks, so a thread slowed by another busy
  * thread on its core, or still asleep, takes fewer chunks or none, and the call waits only
@@ -206,7 +222,8 @@ uint64_t ft_executor_stream_read(ft_executor *ex, const void *buf, size_t nbytes
 int ft_isa_supported(int isa);
 /* The best kernel path this CPU supports. */
 int ft_best_isa(void);
-/* "auto", "portable", "avx2", "avx512", "avx512_bf16", or "unknown". */
+/* "auto", "portable", "avx2", "avx512", "avx512_bf16", "amx", "amx_emulated", or
+ * "unknown". */
 const char *ft_isa_name(int isa);
 /* A short English message for a status code. */
 const char *ft_strerror(int code);

@@ -97,6 +97,7 @@ def test_miss_policy_flags():
         ({"freetoken_backend": "cpu", "freetoken_admission": "reuse"},
          "--freetoken-admission has no effect with --freetoken-backend cpu"),
         ({"freetoken_cpu_threads": 4}, "--freetoken-cpu-threads is used only when"),
+        ({"freetoken_cpu_isa": "amx"}, "--freetoken-cpu-isa is used only when"),
         ({"freetoken_cpu_branch": "host-node"}, "--freetoken-cpu-branch is used only by"),
         ({"freetoken_backend": "cpu", "freetoken_cpu_branch": "host-node"},
          "--freetoken-cpu-branch has no effect with --freetoken-backend cpu"),
@@ -129,6 +130,17 @@ def test_prefill_cpu_flag():
     cfg = ft.pop_config(dict(vars(args)))
     assert (cfg.prefill_cpu, cfg.bandwidth, cfg.cpu_threads) == ("auto", (50.0, 100.0), 4)
     assert ft.pop_config({"enable_freetoken": True, "freetoken_prefill_cpu": "0.4"}).prefill_cpu == "0.4"
+
+
+def test_cpu_isa_flag():
+    """auto by default; a named path with a CPU part; a path the flag does not know is refused."""
+    assert ft.pop_config({"enable_freetoken": True}).cpu_isa == "auto"
+    args = parser().parse_args(["--enable-freetoken", "--freetoken-prefill-cpu", "auto",
+                                "--freetoken-cpu-isa", "amx"])
+    assert ft.pop_config(dict(vars(args))).cpu_isa == "amx"
+    with pytest.raises(ValueError, match="invalid choice 'sse9'"):
+        ft.pop_config({"enable_freetoken": True, "freetoken_miss_policy": "qstar",
+                       "freetoken_cpu_isa": "sse9"})
 
 
 def test_engine_keywords_are_validated():
@@ -212,7 +224,8 @@ def test_launch_server_help_lists_the_flags():
         assert flag in out.stdout
     # choice flags show their choices, not a placeholder
     for shown in ("--freetoken-fill-reused {off,on}", "--freetoken-stream-buffers {1,2}",
-                  "--freetoken-prefill-cpu {off,auto,F}"):
+                  "--freetoken-prefill-cpu {off,auto,F}",
+                  "--freetoken-cpu-isa {auto,portable,avx2,avx512,avx512_bf16,amx}"):
         assert shown in out.stdout
 
 

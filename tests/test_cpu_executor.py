@@ -409,15 +409,71 @@ def test_task_with_fixed_count_accumulates():
     assert rel_err(out - 1.0, reference(banks, x, rows, experts, weights)) < 1e-5
 
 
+# ---- tiled experts (AMX, and its layouts emulated in portable C) ---------------------------
+
+TILED_ISAS = [isa for isa in ("amx_emulated", "amx") if isa in AVAILABLE]
+
+
+@pytest.mark.parametrize("isa", TILED_ISAS)
+@pytest.mark.parametrize(
+    "hidden, inter, gated, bias, x_dtype",
+    [(64, 32, True, False, torch.bfloat16), (96, 64, True, True, torch.float32),
+     (128, 96, False, True, torch.float16)],
+)
+def test_tiled_experts_match_the_reference(isa, hidden, inter, gated, bias, x_dtype):
+    """Experts of 1-40 tokens (block edges 16, 17, 32, 33 included) on three threads: the
+    tiled ones (at least tile_min tokens) and the others within bf16 error of float64, and
+    the tiles really ran (the result differs from the untiled path's)."""
+    gen = torch.Generator().manual_seed(inter + gated)
+    counts = [1, 3, 4, 16, 17, 32, 33, 40]
+    banks = make_banks(gen, len(counts) + 2, hidden, inter, torch.bfloat16, gated, bias)
+    tokens = max(counts)
+    rows = torch.cat([torch.randperm(tokens, generator=gen)[:c] for c in counts]).int()
+    experts = torch.cat([torch.full((c,), e + 1) for e, c in enumerate(counts)]).int()
+    weights = torch.rand(rows.numel(), generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(x_dtype)
+    ref = reference(banks, x, rows, experts, weights)
+    outs = {}
+    with CpuExpertExecutor(banks, isa=isa, num_threads=3) as ex:
+        assert ex.tiled and ex.tile_min == 4
+        for tile_min in (1, 4, 17, 10**6):
+            ex.set_tile_min(tile_min)
+            outs[tile_min] = ex.run(x, rows, experts, weights, torch.zeros(tokens, hidden))
+            err = rel_err(outs[tile_min], ref)
+            assert err < 1e-2, f"{isa} tile_min={tile_min}: relative error {err:.3g}"
+        with pytest.raises(ValueError, match="at least 1"):
+            ex.set_tile_min(0)
+    for tile_min in (1, 4, 17):
+        assert not torch.equal(outs[tile_min], outs[10**6]), tile_min
+    with CpuExpertExecutor(banks, isa=isa, num_threads=1) as one:  # packed once per expert
+        one.set_schedule("static")
+        assert torch.equal(one.run(x, rows, experts, weights, torch.zeros(tokens, hidden)),
+                           outs[4])
+
+
+def test_tiles_only_for_dense_bf16_pools_with_h_and_i_multiples_of_32():
+    gen = torch.Generator().manual_seed(0)
+    for hidden, inter, dtype, tiled in [(64, 32, torch.bfloat16, True),
+                                        (64, 32, torch.float32, False),
+                                        (64, 48, torch.bfloat16, False),
+                                        (70, 32, torch.bfloat16, False)]:
+        banks = make_banks(gen, 2, hidden, inter, dtype)
+        with CpuExpertExecutor(banks, isa="amx_emulated", num_threads=1) as ex:
+            assert ex.tiled == tiled, (hidden, inter, dtype)
+            ex.set_isa("portable")
+            assert not ex.tiled
+
+
 # ---- kernel paths --------------------------------------------------------------------------
 
 
 def test_isa_selection():
     banks = make_banks(torch.Generator().manual_seed(0), 2, 16, 8, torch.float32)
     assert AVAILABLE[0] == "portable"
-    assert CpuExpertExecutor.best_isa() == AVAILABLE[-1]
+    best = [isa for isa in AVAILABLE if isa not in ("amx", "amx_emulated")][-1]
+    assert CpuExpertExecutor.best_isa() == best
     with CpuExpertExecutor(banks) as ex:
-        assert ex.isa == AVAILABLE[-1]
+        assert ex.isa == best
         for isa in AVAILABLE:
             ex.set_isa(isa)
             assert ex.isa == isa

@@ -209,6 +209,9 @@ CASES = {
                               "swiglu_oai", True, torch.float32),
     "bf16_oai_interleaved": ("bf16", dict(h=72, i=40), True, torch.float32, "swiglu_oai",
                              True, torch.float32),
+    # H, I % 32 == 0: the experts of the 64-token call run on tiles under the AMX paths
+    "bf16_oai_interleaved_tiled": ("bf16", dict(h=64, i=96), True, torch.float32,
+                                   "swiglu_oai", True, torch.float32),
     "fp32_oai_halves": ("fp32", dict(h=40, i=24), True, None, "swiglu_oai", False,
                         torch.float32),
 }

@@ -385,8 +385,9 @@ def test_executor_token_cost_is_measured_once_and_cached(tmp_path):
         assert g > 0
         key = bandwidth.machine_key(torch.device("cpu"), 2,
                                     bandwidth.expert_shape(pool.specs["w13_weight"]))
-        assert bandwidth.load_cached(cache, key) == {"G_H_us": g}
-        bandwidth.store_cached(cache, key, {"G_H_us": 1.5, "B_P": 1.0})
+        field = f"G_H_us_{cpu.isa}"
+        assert bandwidth.load_cached(cache, key) == {field: g}
+        bandwidth.store_cached(cache, key, {field: 1.5, "B_P": 1.0})
         assert bandwidth.resolve_token_cost(pool, cpu, torch.device("cpu"), 256,
                                             torch.bfloat16, cache_path=cache) == 1.5
 
@@ -430,3 +431,26 @@ def test_resident_runs_stock_over_the_slots_and_touches_no_state(published):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="every expert resident"):
         ResidentExecutor(_runtime(num_slots=L * E - 1)[0])
+
+
+def test_a_cpu_isa_this_cpu_lacks_is_refused_at_start_naming_the_flag():
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+
+    from freetoken_sglang.cpu_executor import CpuExpertExecutor
+    from freetoken_sglang.errors import RefusedError
+    from freetoken_sglang.runtime import FreeTokenRuntime
+
+    missing = [i for i in ("amx", "avx512_bf16", "avx512", "avx2")
+               if i not in CpuExpertExecutor.available_isas()]
+    if not missing:
+        pytest.skip("this CPU has every kernel path the flag names")
+    _, pool, _ = _runtime(num_slots=12)
+    cfg = MoeRunnerConfig(num_experts=E, num_local_experts=E, top_k=K, activation="silu")
+    method = SimpleNamespace(moe_runner_config=cfg, base_method=None,
+                             format=SimpleNamespace(executor_kwargs=lambda m: {}))
+    rt = SimpleNamespace(backend="gpu", pool=pool, layers={0: method}, moe_layer_ids=[0],
+                         config=SimpleNamespace(miss_policy="qstar", prefill_cpu="off",
+                                                cpu_threads=1, cpu_isa=missing[0]))
+    with pytest.raises(RefusedError, match=f"--freetoken-cpu-isa {missing[0]}: this CPU does "
+                                           "not support"):
+        FreeTokenRuntime._start_cpu_side(rt, 16)
