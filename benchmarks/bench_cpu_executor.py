@@ -50,7 +50,8 @@ def parse_args():
     p.add_argument("--inter", type=int, default=768, help="moe_intermediate_size")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument(
-        "--isa", default="auto", help="kernel path (auto, portable, avx2, avx512, avx512_bf16)"
+        "--isa", default="auto",
+        help="kernel path (auto, portable, avx2, avx512, avx512_bf16, amx, amx_emulated)"
     )
     p.add_argument("--spin-us", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)

@@ -56,6 +56,9 @@ def main():
     missing = [i for i in a.isas if i not in present]
     if missing:
         print(f"skipped (this CPU lacks them): {missing}")
+    if not present:
+        raise SystemExit(f"none of --isas {a.isas} runs on this CPU "
+                         f"(it has {CpuExpertExecutor.available_isas()})")
     results = {"machine": platform.node(), "cpu_isas": CpuExpertExecutor.available_isas(),
                "hidden": H, "inter": I, "experts_per_call": a.experts, "pool_experts": n,
                "rows": []}

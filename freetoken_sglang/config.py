@@ -236,9 +236,9 @@ class FreeTokenConfig:
             type=_choice("auto", "portable", "avx2", "avx512", "avx512_bf16", "amx"),
             help="Kernel path of the CPU expert executor: auto (default) picks the best "
             "this CPU has among portable, avx2, avx512 and avx512_bf16; amx adds AMX-BF16 "
-            "tiles for the experts of a call with several tokens (prefill CPU share, "
-            "batches; BF16 experts, not yet measured on a GPU machine, so auto does not "
-            "pick it).",
+            "tiles for the experts of a call with at least 4 tokens (prefill CPU share, "
+            "batches; BF16 experts with hidden and intermediate sizes multiples of 32; not "
+            "yet measured on an AMX machine, so auto does not pick it).",
         ),
     )
 

@@ -22,8 +22,8 @@ except ImportError as _exc:  # pragma: no cover - exercised through a subprocess
 
 __all__ = ["CpuExpertExecutor", "CpuMoeTask", "IsaNotSupportedError", "ISAS"]
 
-#: Kernel paths, slowest first ("auto" picks the last one the CPU supports, "amx" and
-#: "amx_emulated" aside). "amx" is "avx512_bf16" plus AMX-BF16 tiles for the experts of a
+#: Kernel paths, from the portable C up ("auto" picks the last one the CPU supports, "amx"
+#: and "amx_emulated" aside; "amx_emulated", a test path, is the slowest of all). "amx" is "avx512_bf16" plus AMX-BF16 tiles for the experts of a
 #: call with at least ``tile_min`` tokens (dense BF16 pools, H and I multiples of 32:
 #: prefill-sized CPU work); asked for by name until it is measured in a server.
 #: "amx_emulated" runs those tiles' layouts in portable C (tests on CPUs without AMX).

@@ -118,10 +118,6 @@ def quantization_problem(quant) -> Optional[str]:
     method = q.get("quant_method")
     served = ", ".join(sorted(QUANTIZATIONS))
     algo = str(q.get("quant_algo") or "").upper()
-    if method == "mxfp4":
-        return ("MXFP4 experts (GPT-OSS) are not served yet: an MXFP4 MoE over cache slots "
-                "is not built (the CPU executor already reads MXFP4); serve a BF16 checkpoint "
-                "(GptOssForCausalLM is served in BF16)")
     if method in ("modelopt_fp4", "nvfp4") or (method == "modelopt" and "FP4" in algo):
         return ("NVFP4 experts (ModelOpt FP4) are not served yet: on Hopper GPUs such as the "
                 "H200, SGLang 0.5.17 runs NVFP4 MoE only through its Marlin W4A16 fallback, "

@@ -69,6 +69,12 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         from freetoken_sglang.families import UnsupportedModelError
 
         reason = self.format.supports(self.base_method)
+        rt = self.runtime
+        if not reason and not self.format.gpu_slots and rt.backend == "gpu" and \
+                rt.device.type == "cuda":
+            reason = ("the GPU expert cache has no kernels for this format yet; serve it with "
+                      "--freetoken-backend cpu (every routed expert on the C executor, which "
+                      "reads it)")
         if reason:
             raise UnsupportedModelError(f"--enable-freetoken ({self.format.label} experts): {reason}")
         before = set(layer._parameters)
@@ -97,7 +103,8 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             self.base_method, layer, params, num_experts, hidden_size,
             intermediate_size_per_partition, params_dtype, with_bias,
         )
-        pool = self.runtime.pool_for_layer(layer, num_experts, specs)
+        pool = self.runtime.pool_for_layer(layer, num_experts, specs,
+                                           dict(self.format.initial_values))
         self.ordinal = pool.ordinal(layer.layer_id)
         self.num_experts = num_experts
         for name, meta in params.items():

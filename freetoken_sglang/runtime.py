@@ -73,6 +73,7 @@ class FreeTokenRuntime:
         self.moe_layer_ids = families.moe_layer_ids(hf_config)
         self.num_experts = families.num_routed_experts(hf_config)
         self.top_k = families.top_k(hf_config)
+        self.hf_config = hf_config
         device = model_runner.device
         if device == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"
@@ -128,8 +129,13 @@ class FreeTokenRuntime:
             )
 
     # ---- model build --------------------------------------------------------------------
-    def pool_for_layer(self, layer, num_experts: int, specs: Dict[str, BankSpec]) -> HostExpertPool:
+    def pool_for_layer(self, layer, num_experts: int, specs: Dict[str, BankSpec],
+                       initial_values: Optional[Dict[str, float]] = None) -> HostExpertPool:
         """The pool, allocated on the first MoE layer; later layers must match its banks.
+        Where SGLang padded the experts' intermediate size beyond the checkpoint's (its CPU
+        engine aligns it for quantized checkpoints: ``configs/update_config.py``), the loader
+        writes only the checkpoint's part of each row, so the banks start from the values
+        SGLang's method gives its parameters (``initial_values``, else 0).
 
         Raises:
             UnsupportedModelError: a layer that is not an MoE layer of the family rule, or
@@ -150,6 +156,12 @@ class FreeTokenRuntime:
             problem = pool_fits_host(self.pool.nbytes)
             if problem:
                 raise MemoryError(f"--enable-freetoken: {problem}")
+            # SGLang's padded expert sizes keep the checkpoint's as original_<name> (set on
+            # this config object before the model is built)
+            if any(k.startswith("original_") and "intermediate_size" in k
+                   for k in vars(self.hf_config)):
+                for name, bank in self.pool.banks.items():
+                    bank.fill_((initial_values or {}).get(name, 0))
             logger.info("FreeToken: host expert pool %s", self.pool.describe())
         elif specs != self.pool.specs or num_experts != self.pool.num_experts:
             raise families.UnsupportedModelError(
@@ -385,6 +397,13 @@ class FreeTokenRuntime:
             )
         except IsaNotSupportedError as exc:
             raise RefusedError(f"--freetoken-cpu-isa {self.config.cpu_isa}: {exc}") from None
+        if self.config.cpu_isa == "amx" and not self.executor.tiled:
+            self.executor.close()
+            raise RefusedError(
+                "--freetoken-cpu-isa amx: AMX tiles need dense BF16 experts with hidden and "
+                f"intermediate sizes multiples of 32 (these: {self.executor.weight_format}, "
+                f"H={self.executor.hidden_size}, I={self.executor.intermediate_size}); drop "
+                "the flag")
         if prefill_cpu:
             self._start_prefill_cpu(max_tokens)
         if name == "fill":
@@ -550,14 +569,22 @@ class FreeTokenRuntime:
         if stream is not None:
             stream.end_forward()
 
+    def _isa_text(self) -> str:
+        """The executor's kernel path for the start-up log (with its tile threshold)."""
+        ex = self.executor
+        if ex.tiled:
+            return f"{ex.isa} (AMX tiles for experts of at least {ex.tile_min} tokens in a call)"
+        return ex.isa
+
     def describe_policy(self) -> str:
         if self.backend == "cpu":
-            return f"every routed expert on the CPU ({self.executor.num_threads} threads, {self.executor.isa})"
+            return (f"every routed expert on the CPU ({self.executor.num_threads} threads, "
+                    f"{self._isa_text()})")
         text = self.policy.describe()
         if self.bandwidth is not None:
             text += f" [bandwidths from {self.bandwidth.source}]"
         if self.executor is not None:
-            text += f"; CPU executor: {self.executor.num_threads} threads, {self.executor.isa}"
+            text += f"; CPU executor: {self.executor.num_threads} threads, {self._isa_text()}"
         return text
 
     @staticmethod

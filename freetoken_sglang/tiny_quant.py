@@ -125,6 +125,98 @@ def write_fp8_block(src: str, out: str, twin: str, block: Tuple[int, int] = (16,
     return out, twin
 
 
+# ---- MXFP4 (GPT-OSS's checkpoints: e2m1 pairs per byte, one e8m0 scale per 32 values) -------
+
+#: GPT-OSS's fused expert tensors (``[E, in, out]`` in a BF16/FP32 checkpoint).
+GPT_OSS_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def mxfp4_quantize(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``w [..., K]`` (K % 32 == 0) as MXFP4: uint8 ``blocks [..., K/32, 16]`` (two e2m1 codes
+    per byte, the even element in the low nibble) and uint8 e8m0 ``scales [..., K/32]``
+    (2^(s - 127), the smallest power of two that maps the block's amax to at most 6), as
+    GPT-OSS's ``*_proj_blocks`` / ``*_proj_scales`` store them. Magnitudes round to the
+    nearest e2m1 value (ties to the larger)."""
+    k = w.shape[-1]
+    v = w.float().reshape(*w.shape[:-1], k // 32, 32)
+    amax = v.abs().amax(dim=-1, keepdim=True)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    exp = torch.where(amax > 0, exp, torch.full_like(exp, -127))
+    mag = (v / torch.exp2(exp)).abs()
+    grid = torch.tensor(E2M1)
+    idx = (mag.unsqueeze(-1) - grid).abs().flip(-1).argmin(dim=-1)
+    code = (7 - idx).to(torch.uint8) | ((v < 0).to(torch.uint8) << 3)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    return packed.contiguous(), (exp.squeeze(-1) + 127).to(torch.uint8).contiguous()
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[..., K]`` values of ``mxfp4_quantize``'s output, by the format's definition."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()
+    mag = torch.tensor(E2M1)[codes & 7]
+    v = torch.where(codes >= 8, -mag, mag) * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return v.flatten(-2)
+
+
+def write_mxfp4(src: str, out: str, twin: str) -> Tuple[str, str]:
+    """Write the MXFP4 checkpoint of a tiny GPT-OSS checkpoint ``src`` to ``out`` and its
+    dequantized twin to ``twin``.
+
+    ``out`` stores each layer's experts as GPT-OSS's MXFP4 checkpoints do
+    (``gate_up_proj_blocks [E, 2I, H/32, 16]``, ``gate_up_proj_scales [E, 2I, H/32]``,
+    ``down_proj_blocks [E, H, I/32, 16]``, ``down_proj_scales [E, H, I/32]``, biases as
+    they are) with ``quantization_config`` ``{"quant_method": "mxfp4"}``. In ``twin`` the
+    expert weights are those values dequantized (``[E, in, out]``) and the expert biases are
+    rounded to BF16, as SGLang's ``Mxfp4MoEMethod`` stores them.
+
+    Returns:
+        ``(out, twin)``, rebuilt only when ``src`` changed.
+    """
+    from safetensors.torch import load_file, save_file
+
+    stamp = json.dumps({"src": os.path.abspath(src), "format": "mxfp4",
+                        "mtime": os.path.getmtime(os.path.join(src, "config.json"))})
+    if all(os.path.exists(os.path.join(d, "freetoken_quant.json"))
+           and open(os.path.join(d, "freetoken_quant.json")).read() == stamp
+           for d in (out, twin)):
+        return out, twin
+    tensors: Dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(os.path.join(src, "*.safetensors"))):
+        tensors.update(load_file(f))
+    quant, deq = {}, {}
+    for k, t in tensors.items():
+        m = GPT_OSS_EXPERTS.search(k)
+        if m is None:
+            quant[k] = deq[k] = t
+        elif m.group(2):  # a bias: kept, in BF16 as SGLang's MXFP4 method holds it
+            quant[k] = t
+            deq[k] = t.to(torch.bfloat16).to(t.dtype)
+        else:
+            blocks, scales = mxfp4_quantize(t.transpose(1, 2))  # [E, out, in]
+            quant[k + "_blocks"] = blocks.view(*blocks.shape[:-1], 16)
+            quant[k + "_scales"] = scales
+            deq[k] = mxfp4_dequantize(blocks, scales).transpose(1, 2).to(t.dtype)
+    config = json.load(open(os.path.join(src, "config.json")))
+    qcfg = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]}
+    for d, ts, cfg in ((out, quant, {**config, "quantization_config": qcfg}),
+                       (twin, deq, config)):
+        os.makedirs(d, exist_ok=True)
+        for f in os.listdir(src):
+            if not f.endswith(".safetensors") and f not in ("config.json", "freetoken_tiny.json",
+                                                            "model.safetensors.index.json"):
+                p = os.path.join(src, f)
+                if os.path.isfile(p):
+                    shutil.copy(p, d)
+        save_file({k: v.contiguous() for k, v in ts.items()}, os.path.join(d, "model.safetensors"),
+                  metadata={"format": "pt"})
+        json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=2)
+        open(os.path.join(d, "freetoken_quant.json"), "w").write(stamp)
+    return out, twin
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--src", required=True)

@@ -822,9 +822,10 @@ static void emulated_tile(const uint8_t *a0, const uint8_t *a1, size_t a_stride,
                 for (int r = 0; r < FT_TILE; r++) {
                     float x0 = bf16_to_f32(am[2 * r]), x1 = bf16_to_f32(am[2 * r + 1]);
                     const uint16_t *br = bk + r * 32;
-                    for (int n = 0; n < FT_TILE; n++)
-                        cq[m * FT_TILE + n] +=
-                            x0 * bf16_to_f32(br[2 * n]) + x1 * bf16_to_f32(br[2 * n + 1]);
+                    for (int n = 0; n < FT_TILE; n++) { /* TDPBF16PS's order (no FTZ/DAZ) */
+                        cq[m * FT_TILE + n] += x0 * bf16_to_f32(br[2 * n]);
+                        cq[m * FT_TILE + n] += x1 * bf16_to_f32(br[2 * n + 1]);
+                    }
                 }
             }
         }
@@ -1402,7 +1403,10 @@ static void pack_group_x(const ft_executor *ex, ft_group *g) {
         atomic_store_explicit(&g->packed, 2, memory_order_release);
         return;
     }
-    while (atomic_load_explicit(&g->packed, memory_order_acquire) != 2) cpu_relax();
+    for (unsigned it = 1; atomic_load_explicit(&g->packed, memory_order_acquire) != 2; it++) {
+        cpu_relax();
+        if ((it & 1023) == 0) sched_yield(); /* the packer may share this core */
+    }
 }
 
 /* Intermediate rows [j0, j0 + 16) of tiled group g, written to it in the VNNI layout. */

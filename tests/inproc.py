@@ -51,6 +51,13 @@ _EXPERT = re.compile(
     r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
     r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|weight_scale_inv)$"
 )
+_FUSED_MXFP4 = re.compile(
+    r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj_blocks|gate_up_proj_scales|"
+    r"gate_up_proj_bias|down_proj_blocks|down_proj_scales|down_proj_bias)$"
+)
+_FUSED_BANK = {"gate_up_proj_blocks": "w13_weight", "gate_up_proj_scales": "w13_weight_scale",
+               "gate_up_proj_bias": "w13_weight_bias", "down_proj_blocks": "w2_weight",
+               "down_proj_scales": "w2_weight_scale", "down_proj_bias": "w2_weight_bias"}
 _KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
@@ -89,6 +96,25 @@ def check_pool_layout(model_path: str, **kw) -> dict:
                                                           want.contiguous().view(torch.uint8)):
                 mismatches.append(key)
             seen.add((row, kind + suffix))
+    # GPT-OSS's fused MXFP4 tensors ([E, ...] per layer); where SGLang padded the experts
+    # (its CPU engine), the rest of each row holds the initial values of SGLang's method
+    with safe_open(os.path.join(model_path, "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            m = _FUSED_MXFP4.match(key)
+            if not m:
+                continue
+            layer, bank = int(m.group(1)), _FUSED_BANK[m.group(2)]
+            want = f.get_tensor(key)
+            got = pool.banks[bank][pool.ordinal(layer) * E:(pool.ordinal(layer) + 1) * E]
+            if want.dim() == 4:  # blocks [E, R, K/32, 16]: the bank's [E, R, K/2]
+                want = want.reshape(want.shape[0], want.shape[1], -1)
+            init = 127 if bank.endswith("_scale") else 0  # Mxfp4MoEMethod's initial values
+            part = got[tuple(slice(0, n) for n in want.shape)]
+            rest = got.clone()
+            rest[tuple(slice(0, n) for n in want.shape)] = init
+            if not (torch.equal(part, want.to(got.dtype)) and bool((rest == init).all())):
+                mismatches.append(key)
+            seen.update((pool.ordinal(layer) * E + e, bank) for e in range(E))
     params_are_views = all(
         getattr(m, "w13_weight").data_ptr()
         == pool.banks["w13_weight"][pool.ordinal(m.layer_id) * E].data_ptr()

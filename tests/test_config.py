@@ -247,7 +247,6 @@ def test_launch_server_rejects_bad_value_before_loading():
 
 
 @pytest.mark.parametrize("quant,needle", [
-    ({"quant_method": "mxfp4"}, "MXFP4 experts (GPT-OSS) are not served yet: an MXFP4 MoE"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"},
      "NVFP4 experts (ModelOpt FP4) are not served yet: on Hopper GPUs such as the H200"),
     ({"quant_method": "modelopt_fp4"}, "Marlin W4A16 fallback"),
@@ -258,6 +257,41 @@ def test_unserved_quantizations_name_why(quant, needle):
 
     assert needle in quantization_problem(quant)
     assert quantization_problem({"quant_method": "fp8", "weight_block_size": [128, 128]}) is None
+    assert quantization_problem({"quant_method": "mxfp4"}) is None  # the layer checks the rest
+
+
+@pytest.mark.parametrize("device,backend,refused", [
+    ("cuda", "gpu", True), ("cuda", "cpu", False), ("cpu", "gpu", False)])
+def test_mxfp4_on_a_gpu_is_served_only_with_the_cpu_backend(device, backend, refused):
+    """No GPU slot kernels for MXFP4 yet: the GPU cache refuses it when the model is built,
+    naming --freetoken-backend cpu; elsewhere the layer goes on to SGLang's create_weights."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from freetoken_sglang.experts.formats import FORMATS
+    from freetoken_sglang.families import UnsupportedModelError
+    from freetoken_sglang.moe_method import FreeTokenMoEMethod
+
+    class Built(Exception):
+        pass
+
+    def original(*a, **kw):
+        raise Built
+
+    rt = SimpleNamespace(backend=backend, device=torch.device(device))
+    base = SimpleNamespace(use_marlin=False, use_flashinfer=False, use_deep_gemm=False,
+                           use_triton_kernels=False)
+    method = FreeTokenMoEMethod(rt, base, FORMATS["mxfp4"], original)
+    layer = SimpleNamespace(_parameters={}, layer_id=0)
+    with pytest.raises(UnsupportedModelError if refused else Built) as e:
+        method.create_weights(layer, 8, 64, 32, torch.bfloat16, with_bias=True)
+    if refused:
+        assert "(mxfp4 experts): the GPU expert cache has no kernels" in str(e.value)
+        assert "serve it with --freetoken-backend cpu" in str(e.value)
+    base.use_triton_kernels = True
+    with pytest.raises(UnsupportedModelError, match="triton_kernel MoE runner backend"):
+        method.create_weights(layer, 8, 64, 32, torch.bfloat16, with_bias=True)
 
 
 @pytest.mark.parametrize("backend,policy,limits,fix", [

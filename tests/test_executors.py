@@ -454,3 +454,29 @@ def test_a_cpu_isa_this_cpu_lacks_is_refused_at_start_naming_the_flag():
     with pytest.raises(RefusedError, match=f"--freetoken-cpu-isa {missing[0]}: this CPU does "
                                            "not support"):
         FreeTokenRuntime._start_cpu_side(rt, 16)
+
+
+def test_amx_on_a_pool_without_tiles_is_refused_at_start(monkeypatch):
+    """--freetoken-cpu-isa amx on FP32 experts (no tiles) is refused, not run as avx512_bf16
+    (the AMX path is stood in for by its emulation, so that this runs on any CPU)."""
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+
+    from freetoken_sglang import cpu_executor
+    from freetoken_sglang.errors import RefusedError
+    from freetoken_sglang.runtime import FreeTokenRuntime
+
+    real = cpu_executor.CpuExpertExecutor
+
+    def executor(*a, isa="auto", **kw):
+        return real(*a, isa="amx_emulated" if isa == "amx" else isa, **kw)
+
+    monkeypatch.setattr(cpu_executor, "CpuExpertExecutor", executor)
+    _, pool, _ = _runtime(num_slots=12)  # FP32 banks
+    cfg = MoeRunnerConfig(num_experts=E, num_local_experts=E, top_k=K, activation="silu")
+    method = SimpleNamespace(moe_runner_config=cfg, base_method=None,
+                             format=SimpleNamespace(executor_kwargs=lambda m: {}))
+    rt = SimpleNamespace(backend="gpu", pool=pool, layers={0: method}, moe_layer_ids=[0],
+                         config=SimpleNamespace(miss_policy="qstar", prefill_cpu="off",
+                                                cpu_threads=1, cpu_isa="amx"))
+    with pytest.raises(RefusedError, match="AMX tiles need dense BF16 experts .* fp32"):
+        FreeTokenRuntime._start_cpu_side(rt, 16)

@@ -9,12 +9,21 @@ with it. FreeToken at 25% of the pool with fill (SGLang's runner over slots, str
 prefill) and with qstar (B_P/B_H = 0.5: a call with m misses runs floor(m/2) of them on the C
 executor's swiglu_oai path) gives stock's greedy tokens, and stock gives transformers' within
 the sliding window.
+
+MXFP4 (GPT-OSS's own checkpoint format): stock SGLang 0.5.17 cannot run it on the CPU engine
+(without AMX its MXFP4 path needs the ``triton_kernels`` package to upcast the weights), so
+FreeToken serving a tiny MXFP4 checkpoint is held to stock SGLang serving its dequantized twin
+(``tiny_quant.write_mxfp4``), in BF16. On a GPU FreeToken serves MXFP4 only with
+``--freetoken-backend cpu`` (the refusal is tested in test_config.py).
 """
 
 from __future__ import annotations
 
 import requests
+import torch
 
+from freetoken_sglang.tiny_quant import mxfp4_dequantize, mxfp4_quantize, write_mxfp4
+from inproc import run_check
 from test_e2e_families import (CACHE_25, CHUNK, _top2, assert_same_tokens, serve_and_collect,
                                transformers_greedy)
 
@@ -82,3 +91,41 @@ def test_gpt_oss_matches_stock_sglang_and_transformers(tiny_checkpoint, tmp_path
             assert total["fills"] > 0 and total["cpu"] == 0
         else:
             assert total["fills"] > 0 and total["cpu"] > 0
+
+
+def test_mxfp4_codes_round_trip_and_match_sglangs_dequantization():
+    from sglang.srt.layers.quantization.mxfp4_tensor import MXFP4QuantizeUtil
+
+    w = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0)) * 3
+    w[0, 0, :32] = 0  # an all-zero block
+    blocks, scales = mxfp4_quantize(w)
+    assert blocks.shape == (3, 5, 2, 16) and scales.shape == (3, 5, 2)
+    d = mxfp4_dequantize(blocks, scales)
+    ref = MXFP4QuantizeUtil.dequantize(blocks, torch.float32, scales, [32]).reshape(d.shape)
+    assert torch.equal(d, ref)
+    step = torch.exp2(scales.float() - 127).repeat_interleave(32, -1)  # half the widest gap
+    assert ((d - w).abs() <= step).all()
+    assert torch.equal(mxfp4_dequantize(*mxfp4_quantize(d)), d)  # on-grid values are exact
+
+
+def test_gpt_oss_mxfp4_matches_stock_on_the_dequantized_twin(tiny_checkpoint, tiny_dir,
+                                                             tmp_path):
+    """The pool holds the checkpoint's MXFP4 codes, scales and BF16 biases (SGLang's CPU engine
+    pads I = 32 to 64: the padding holds Mxfp4MoEMethod's initial values); q* at 25% fills
+    MXFP4 slots (dequantized for SGLang's native MoE) and runs misses on the C executor's
+    MXFP4 kernels, token for token with stock SGLang on the twin."""
+    src = tiny_checkpoint("gpt_oss", dtype="bfloat16", **SHAPE)
+    out = str(tiny_dir / "gpt_oss-bfloat16-mxfp4")
+    path, twin = write_mxfp4(src, out, out + "-twin")
+    bf16 = ["--dtype", "bfloat16"]
+    r = run_check("pool_layout", path, freetoken_cache_ratio=0.25, dtype="bfloat16",
+                  attention_backend="triton")
+    assert r["checked"] == r["rows"] * 6 and r["mismatches"] == []
+    assert r["params_are_views"] is True and r["expert_params_on_cpu"] is True
+    want, _, _ = serve(twin, bf16, str(tmp_path / "stock.log"))
+    got, stats, log = serve(path, bf16 + CACHE_25 + [
+        "--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40,0,0"],
+        str(tmp_path / "ft.log"))
+    assert "w13_weight_scale[128, 2]:uint8" in log and "w13_weight_bias[128]:bfloat16" in log
+    assert_same_tokens(got, want, "gpt_oss mxfp4 qstar")
+    assert stats["total"]["fills"] > 0 and stats["total"]["cpu"] > 0

@@ -62,6 +62,11 @@ class ExpertFormat:
         dequantize: ``(base_method, {bank: rows [n, ...]}, dtype) -> (w13 [n, R, H],
             w2 [n, H, I])`` in ``dtype``, by the format's definition.
         executor_kwargs: ``base_method -> kwargs`` of ``CpuExpertExecutor`` for this format.
+        gpu_slots: SGLang's MoE kernels can run this format over GPU cache slots (False: on
+            a GPU it is served only with ``--freetoken-backend cpu``).
+        initial_values: ``(bank, value)`` pairs of the values SGLang's method initializes its
+            parameters to where they are not 0 (e.g. MXFP4's scales, 127 = 2^0): where SGLang
+            pads the experts beyond the checkpoint's sizes, the pool starts from them.
     """
 
     label: str
@@ -72,6 +77,8 @@ class ExpertFormat:
     triton: Callable
     dequantize: Callable
     executor_kwargs: Callable
+    gpu_slots: bool = True
+    initial_values: Tuple[Tuple[str, float], ...] = ()
 
     def check_banks(self, base_method, layer, params: Dict[str, torch.Tensor], num_experts: int,
                     hidden: int, inter: int, params_dtype: torch.dtype,
@@ -208,8 +215,63 @@ FP8_BLOCK = ExpertFormat(
 )
 
 
+# ---- MXFP4 (GPT-OSS: e2m1 pairs per byte, e8m0 scales per 32, BF16 biases) ---------------
+
+def _mxfp4_supports(base_method) -> Optional[str]:
+    for flag, name in (("use_marlin", "marlin"), ("use_flashinfer", "flashinfer_mxfp4"),
+                       ("use_deep_gemm", "deep_gemm"), ("use_triton_kernels", "triton_kernel")):
+        if getattr(base_method, flag, False):
+            return (f"the {name} MoE runner backend repacks MXFP4 experts at load and is not "
+                    "served; drop --moe-runner-backend (or give triton)")
+    return None
+
+
+def _mxfp4_banks(base_method, layer, num_experts, hidden, inter, params_dtype, with_bias):
+    # Mxfp4MoEMethod.create_weights without padding (no marlin / flashinfer / SM100 /
+    # triton_kernels alignment); it always registers the BF16 biases outside ROCm
+    u8 = torch.uint8
+    return {
+        "w13_weight": BankSpec((2 * inter, hidden // 2), u8),
+        "w13_weight_scale": BankSpec((2 * inter, hidden // 32), u8),
+        "w13_weight_bias": BankSpec((2 * inter,), torch.bfloat16),
+        "w2_weight": BankSpec((hidden, inter // 2), u8),
+        "w2_weight_scale": BankSpec((hidden, inter // 32), u8),
+        "w2_weight_bias": BankSpec((hidden,), torch.bfloat16),
+    }
+
+
+def dequantize_mxfp4(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``w [n, R, C/2]`` uint8 (two e2m1 codes per byte, low nibble first) times ``2^(scale -
+    127)``, ``scale [n, R, C/32]`` uint8 e8m0, as ``[n, R, C]`` in ``dtype`` (SGLang's
+    ``MXFP4QuantizeUtil.dequantize``, ``layers/quantization/mxfp4_tensor.py``)."""
+    from sglang.srt.layers.quantization.mxfp4_tensor import MXFP4QuantizeUtil
+
+    n, r, half = w.shape
+    blocks = w.reshape(n, r, half // 16, 16)
+    out = MXFP4QuantizeUtil.dequantize(quantized_data=blocks, dtype=dtype, scale=scale,
+                                       block_sizes=[32])
+    return out.reshape(n, r, 2 * half)
+
+
+MXFP4 = ExpertFormat(
+    label="mxfp4",
+    method="sglang.srt.layers.quantization.mxfp4:Mxfp4MoEMethod",
+    quantizations=("mxfp4",),
+    supports=_mxfp4_supports,
+    banks=_mxfp4_banks,
+    triton=lambda base_method: TritonQuant(),  # not used: no GPU slot kernels (gpu_slots)
+    dequantize=lambda base_method, rows, dtype: (
+        dequantize_mxfp4(rows["w13_weight"], rows["w13_weight_scale"], dtype),
+        dequantize_mxfp4(rows["w2_weight"], rows["w2_weight_scale"], dtype),
+    ),
+    executor_kwargs=lambda base_method: {},
+    gpu_slots=False,
+    initial_values=(("w13_weight_scale", 127), ("w2_weight_scale", 127)),  # _UE8M0_ONE
+)
+
+
 #: Every served format, by label.
-FORMATS: Dict[str, ExpertFormat] = {f.label: f for f in (UNQUANTIZED, FP8_BLOCK)}
+FORMATS: Dict[str, ExpertFormat] = {f.label: f for f in (UNQUANTIZED, FP8_BLOCK, MXFP4)}
 #: SGLang quantization names some format serves.
 QUANTIZATIONS = frozenset(q for f in FORMATS.values() for q in f.quantizations)
 
