@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from freetoken_sglang.cpu_executor import CpuExpertExecutor
+from freetoken_sglang.cpu.executor import CpuExpertExecutor
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MIB = 1 << 20

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from freetoken_sglang.cpu_executor import CpuExpertExecutor
+from freetoken_sglang.cpu.executor import CpuExpertExecutor
 
 
 def parse_args():

@@ -34,7 +34,7 @@ def make_builder(root: str = "", optional: bool = True) -> cffi.FFI:
     repo root, rejects absolute source paths; ``FFI.compile`` changes directory, so the direct
     build passes the absolute repo root). With ``optional``, a failed compile (no compiler,
     no Python headers) only warns and the package installs without the module; importing
-    ``freetoken_sglang.cpu_executor`` then raises an ImportError that says how to build it."""
+    ``freetoken_sglang.cpu.executor`` then raises an ImportError that says how to build it."""
     builder = cffi.FFI()
     builder.cdef(_cdef())
     builder.set_source(

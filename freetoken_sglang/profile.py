@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     from transformers import AutoConfig
 
-    from freetoken_sglang.cpu_executor import CpuExpertExecutor
+    from freetoken_sglang.cpu.executor import CpuExpertExecutor
 
     hf_config = AutoConfig.from_pretrained(a.model_path, trust_remote_code=a.trust_remote_code)
     families.family_of(hf_config)

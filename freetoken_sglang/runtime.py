@@ -375,8 +375,8 @@ class FreeTokenRuntime:
         if name == "fill" and not prefill_cpu:
             self.policy = MissPolicy("fill")
             return
-        from freetoken_sglang.cpu_branch import CpuBranch
-        from freetoken_sglang.cpu_executor import CpuExpertExecutor, IsaNotSupportedError
+        from freetoken_sglang.cpu.branch import CpuBranch
+        from freetoken_sglang.cpu.executor import CpuExpertExecutor, IsaNotSupportedError
 
         method = self.layers[self.moe_layer_ids[0]]  # its FreeTokenMoEMethod
         cfg = method.moe_runner_config

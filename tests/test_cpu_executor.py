@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from freetoken_sglang.cpu_executor import (
+from freetoken_sglang.cpu.executor import (
     ISAS,
     CpuExpertExecutor,
     Doorbell,
@@ -658,7 +658,7 @@ def test_missing_module_import_error_says_how_to_build():
         "            raise ImportError('blocked for the test')\n"
         "sys.meta_path.insert(0, Block())\n"
         "try:\n"
-        "    import freetoken_sglang.cpu_executor\n"
+        "    import freetoken_sglang.cpu.executor\n"
         "except ImportError as e:\n"
         "    print(e)\n"
     )
@@ -716,7 +716,7 @@ def test_doorbell_serves_each_rung_call_once_and_nothing_else():
 
 def test_cpu_branch_on_the_cpu_runs_the_executor_only_for_calls_with_items():
     from freetoken_sglang.cache.residency import CpuWork
-    from freetoken_sglang.cpu_branch import CpuBranch
+    from freetoken_sglang.cpu.branch import CpuBranch
 
     gen = torch.Generator().manual_seed(4)
     banks = make_banks(gen, 6, 48, 40, torch.float32)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from freetoken_sglang.cpu_executor import ISAS, CpuExpertExecutor
+from freetoken_sglang.cpu.executor import ISAS, CpuExpertExecutor
 
 AVAILABLE = CpuExpertExecutor.available_isas()
 FP8 = torch.float8_e4m3fn

@@ -335,7 +335,7 @@ def test_streamed_prefill_with_a_cpu_share_matches_stock(borrow, published):
     """Half of each layer's non-resident experts run on the C executor instead of streaming:
     the output matches stock, those experts are neither copied nor seeded into the LRU
     (every LRU slot still holds what its owner says), and the counts add up."""
-    from freetoken_sglang.cpu_executor import CpuExpertExecutor
+    from freetoken_sglang.cpu.executor import CpuExpertExecutor
     from freetoken_sglang.execute.prefill_cpu import PrefillCpuPart
     from freetoken_sglang.execute.prefill_cpu_rule import PrefillCpuRule
     from freetoken_sglang.execute.prefill_stream import PrefillStreamExecutor
@@ -372,7 +372,7 @@ def test_executor_token_cost_is_measured_once_and_cached(tmp_path):
     """g (us per token-expert item, for the auto rule) is the slope of a call's time over its
     tokens per expert, positive on a real executor, and stored with the machine's profile."""
     from freetoken_sglang import bandwidth
-    from freetoken_sglang.cpu_executor import CpuExpertExecutor
+    from freetoken_sglang.cpu.executor import CpuExpertExecutor
     from freetoken_sglang.pool import HostExpertPool, bank_specs_for_layer
 
     pool = HostExpertPool(list(range(2)), 16, bank_specs_for_layer(256, 128, torch.bfloat16))
@@ -436,7 +436,7 @@ def test_resident_runs_stock_over_the_slots_and_touches_no_state(published):
 def test_a_cpu_isa_this_cpu_lacks_is_refused_at_start_naming_the_flag():
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
 
-    from freetoken_sglang.cpu_executor import CpuExpertExecutor
+    from freetoken_sglang.cpu.executor import CpuExpertExecutor
     from freetoken_sglang.errors import RefusedError
     from freetoken_sglang.runtime import FreeTokenRuntime
 
@@ -461,7 +461,7 @@ def test_amx_on_a_pool_without_tiles_is_refused_at_start(monkeypatch):
     (the AMX path is stood in for by its emulation, so that this runs on any CPU)."""
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
 
-    from freetoken_sglang import cpu_executor
+    from freetoken_sglang.cpu import executor as cpu_executor
     from freetoken_sglang.errors import RefusedError
     from freetoken_sglang.runtime import FreeTokenRuntime
 

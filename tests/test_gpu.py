@@ -223,8 +223,8 @@ def test_moe_on_slots_is_bit_identical_to_stock(num_tokens, published_server_arg
 def test_cpu_branch_host_function_in_a_cuda_graph():
     """The host-node CPU branch runs the C executor from a host-function node: eagerly and replayed
     from a captured graph, with the same result as a direct call."""
-    from freetoken_sglang.cpu_branch import CpuBranch
-    from freetoken_sglang.cpu_executor import CpuExpertExecutor
+    from freetoken_sglang.cpu.branch import CpuBranch
+    from freetoken_sglang.cpu.executor import CpuExpertExecutor
     from freetoken_sglang.pool import HostExpertPool, bank_specs_for_layer
     from freetoken_sglang.cache.residency import CpuWork
 
@@ -267,8 +267,8 @@ def test_cpu_branch_doorbell_runs_only_with_cpu_items():
     """The doorbell branch (the default): eagerly and replayed from a captured graph, a call
     with CPU items is served once and its partial merged exactly (fp32, and into bf16 as
     ``add_`` rounds); a call without items is not served and leaves the output untouched."""
-    from freetoken_sglang.cpu_branch import CpuBranch
-    from freetoken_sglang.cpu_executor import CpuExpertExecutor
+    from freetoken_sglang.cpu.branch import CpuBranch
+    from freetoken_sglang.cpu.executor import CpuExpertExecutor
     from freetoken_sglang.pool import HostExpertPool, bank_specs_for_layer
     from freetoken_sglang.cache.residency import CpuWork
 

@@ -132,7 +132,7 @@ class PrefillCpuPart:
         if not self.on_cuda:
             self._staged = (x[:rows], experts[:n], weights[:n])
             return
-        from freetoken_sglang.cpu_branch import _launch_host_func
+        from freetoken_sglang.cpu.branch import _launch_host_func
 
         self._ensure(rows)
         self.x_host[:rows].copy_(x[:rows], non_blocking=True)
@@ -196,7 +196,7 @@ class PrefillCpuPart:
         """
         if not self._unchecked:
             return
-        from freetoken_sglang.cpu_executor import _strerror
+        from freetoken_sglang.cpu.executor import _strerror
 
         keep = []  # the timings first: a run seen to end here has its final status below
         for start, end, n, t in self._timings:

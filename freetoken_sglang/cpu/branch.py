@@ -3,7 +3,7 @@ the GPU serves hits and fills, then merge the two partial outputs (paper §3.2, 
 
 On CUDA, two mechanisms (``mode``); neither runs Python per step, so CUDA graphs capture them:
 - ``doorbell`` (the default): a kernel writes the activations and the work items into mapped
-  pinned memory and rings a doorbell there; a serving thread (``cpu_executor.Doorbell``) runs
+  pinned memory and rings a doorbell there; a serving thread (``cpu.executor.Doorbell``) runs
   the C executor and writes the fp32 partial back into mapped memory; the merge kernel waits
   for it and adds it. A layer call without CPU items costs two kernels that return at once
   (``kernels/doorbell.py``).
@@ -43,7 +43,7 @@ class CpuBranch:
     """Stages a layer call's CPU work, runs it, and merges its partial output.
 
     Args:
-        executor: the C executor over the host pool (``cpu_executor.CpuExpertExecutor``).
+        executor: the C executor over the host pool (``cpu.executor.CpuExpertExecutor``).
         device: the serving device.
         hidden_size: H.
         top_k: k.
@@ -92,7 +92,7 @@ class CpuBranch:
                 self._start_doorbell(max_rows)
 
     def _start_doorbell(self, rows: int) -> None:
-        from freetoken_sglang.cpu_executor import Doorbell
+        from freetoken_sglang.cpu.executor import Doorbell
         from freetoken_sglang.pool import HostExpertPool
 
         uva = HostExpertPool._uva_view
@@ -232,7 +232,7 @@ class CpuBranch:
             RuntimeError: naming the C error and the offending work item.
         """
         if self.doorbell is not None:
-            from freetoken_sglang.cpu_executor import _strerror
+            from freetoken_sglang.cpu.executor import _strerror
 
             if self.doorbell.status != 0:
                 raise RuntimeError(
@@ -244,7 +244,7 @@ class CpuBranch:
                     "executor (its doorbell thread did not answer)")
         for rows, task in self.tasks.items():
             if task.status != 0:
-                from freetoken_sglang.cpu_executor import _strerror
+                from freetoken_sglang.cpu.executor import _strerror
 
                 raise RuntimeError(
                     f"FreeToken: the CPU expert executor failed in a layer call of {rows} rows: "
