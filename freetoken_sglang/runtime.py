@@ -79,6 +79,7 @@ class FreeTokenRuntime:
             device = f"cuda:{torch.cuda.current_device()}"
         self.device = torch.device(device)
         self.pool: Optional[HostExpertPool] = None
+        self.pool_initial_values: Dict[str, float] = {}  # the format's (pool_for_layer)
         self.cache: Optional[ExpertCache] = None
         self.counters: Optional[ExpertCounters] = None
         self.layers: Dict[int, object] = {}
@@ -153,6 +154,7 @@ class FreeTokenRuntime:
                     f"says {self.num_experts}"
                 )
             self.pool = HostExpertPool(self.moe_layer_ids, num_experts, specs)
+            self.pool_initial_values = dict(initial_values or {})
             problem = pool_fits_host(self.pool.nbytes)
             if problem:
                 raise MemoryError(f"--enable-freetoken: {problem}")

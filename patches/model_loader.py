@@ -77,11 +77,18 @@ def initialize_dummy_weights(original, model, *args, **kwargs):
     with _torch_threads(len(os.sched_getaffinity(0))):
         for name in names:
             template = getattr(layers[0], name).data
-            values = torch.empty(template.shape, dtype=template.dtype, device=device)
+            if not torch.is_floating_point(template):  # stock keeps create_weights' values
+                for m in layers:
+                    getattr(m, name).data.fill_(rt.pool_initial_values.get(name, 0))
+                continue
+            # stock draws FP8 values in FP16 and converts them (uniform_ has no FP8 kernel)
+            low_bits = torch.finfo(template.dtype).bits < 16
+            values = torch.empty(template.shape, device=device,
+                                 dtype=torch.float16 if low_bits else template.dtype)
             gen = torch.Generator(device=device)
             gen.manual_seed(seed)
             values.uniform_(low, high, generator=gen)
-            values = values.to("cpu")
+            values = values.to(template.dtype).to("cpu")
             # Same shape, numel and dtype in every layer, hence the same values as stock.
             for m in layers:
                 getattr(m, name).data.copy_(values)

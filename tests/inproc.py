@@ -151,14 +151,22 @@ def check_dummy_values(model_path: str, **kw) -> dict:
     out = {"layers": L, "banks": {}}
     for name, bank in pool.banks.items():
         holder = torch.nn.Module()
+        # what SGLang's create_weights gives the parameter: stock's dummy load keeps it for
+        # integer parameters (MXFP4's codes 0 and e8m0 scales _UE8M0_ONE, a private constant
+        # of sglang/srt/layers/quantization/mxfp4.py)
+        init = 0
+        if bank.dtype == torch.uint8 and name.endswith("_weight_scale"):
+            from sglang.srt.layers.quantization.mxfp4 import _UE8M0_ONE as init
         holder.w = torch.nn.Parameter(
-            torch.empty((E, *pool.specs[name].shape), dtype=bank.dtype), requires_grad=False
-        )
+            torch.full((E, *pool.specs[name].shape), init, dtype=bank.dtype),
+            requires_grad=False)
         weight_utils.initialize_dummy_weights(holder)  # stock's own values (no FreeToken layer)
         rows = bank.view(L, E, *pool.specs[name].shape)
+        bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # (FP8: no equal)
         out["banks"][name] = {
-            "layers_equal_to_stock": [bool(torch.equal(rows[l], holder.w)) for l in range(L)],
-            "nonzero": bool(holder.w.abs().sum() > 0),
+            "layers_equal_to_stock": [bool(torch.equal(bits(rows[l]), bits(holder.w.data)))
+                                      for l in range(L)],
+            "nonzero": bool(holder.w.float().abs().sum() > 0),
         }
     return out
 

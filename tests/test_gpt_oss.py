@@ -122,6 +122,12 @@ def test_gpt_oss_mxfp4_matches_stock_on_the_dequantized_twin(tiny_checkpoint, ti
                   attention_backend="triton")
     assert r["checked"] == r["rows"] * 6 and r["mismatches"] == []
     assert r["params_are_views"] is True and r["expert_params_on_cpu"] is True
+    # --load-format dummy: stock keeps create_weights' codes (0) and scales (127), draws biases
+    r = run_check("dummy_values", path, freetoken_cache_ratio=0.25, dtype="bfloat16",
+                  attention_backend="triton")
+    assert all(b["layers_equal_to_stock"] == [True] * r["layers"] for b in r["banks"].values())
+    assert [n for n, b in r["banks"].items() if b["nonzero"]] == [
+        "w13_weight_scale", "w13_weight_bias", "w2_weight_scale", "w2_weight_bias"]
     want, _, _ = serve(twin, bf16, str(tmp_path / "stock.log"))
     got, stats, log = serve(path, bf16 + CACHE_25 + [
         "--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40,0,0"],

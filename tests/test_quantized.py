@@ -44,6 +44,17 @@ def test_fp8_pool_rows_hold_the_checkpoint_codes_and_scales(fp8_checkpoint):
     assert r["params_are_views"] is True and r["expert_params_on_cpu"] is True
 
 
+def test_fp8_dummy_load_fills_the_pool_with_stock_values(fp8_checkpoint):
+    """--load-format dummy: FP8 codes drawn as stock draws them (in FP16, then converted)."""
+    path, _ = fp8_checkpoint("deepseek_v3")
+    r = run_check("dummy_values", path, freetoken_cache_ratio=0.5, dtype="bfloat16")
+    assert set(r["banks"]) == {"w13_weight", "w2_weight", "w13_weight_scale_inv",
+                               "w2_weight_scale_inv"}
+    for name, bank in r["banks"].items():
+        assert bank["nonzero"] is True, name
+        assert bank["layers_equal_to_stock"] == [True] * r["layers"], name
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
 def test_fp8_block_matches_stock_on_the_dequantized_twin(fp8_checkpoint, family, tmp_path):
     """Fill policy at 25%: fills move the FP8 codes and their scales; prefill streams them."""
