@@ -79,9 +79,11 @@ def expert_shape(spec) -> str:
     return "x".join(str(d) for d in spec.shape) + ":" + str(spec.dtype).replace("torch.", "")
 
 
-def machine_key(device: torch.device, threads: int, expert_shape: str) -> str:
+def machine_key(device: torch.device, threads: int, expert_shape: str, isa: str) -> str:
+    """The profile cache's key: the GPU, the CPU model, the executor's threads and kernel
+    path (``CpuExpertExecutor.isa``), and the expert shape."""
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
-    return f"gpu={gpu}|cpu={cpu_model()}|threads={threads}|expert={expert_shape}"
+    return f"gpu={gpu}|cpu={cpu_model()}|threads={threads}|isa={isa}|expert={expert_shape}"
 
 
 def load_cached(path: str, key: str) -> Optional[Dict[str, float]]:
@@ -204,15 +206,15 @@ def measure_executor_tokens(executor, hidden: int, dtype: torch.dtype,
 def resolve_token_cost(pool, executor, device: torch.device, hidden: int,
                        act_dtype: torch.dtype, cache_path: str = DEFAULT_CACHE) -> float:
     """g (us per token-expert item; ``measure_executor_tokens``) from the cached profile of
-    this machine and expert shape, else measured now (under a second) and stored there
-    (under ``G_H_us_<kernel path>``: AMX tiles change it)."""
-    key = machine_key(device, executor.num_threads, expert_shape(pool.specs["w13_weight"]))
+    this machine, kernel path and expert shape, else measured now (under a second) and stored
+    there."""
+    key = machine_key(device, executor.num_threads, expert_shape(pool.specs["w13_weight"]),
+                      executor.isa)
     cached = load_cached(cache_path, key) or {}
-    field = f"G_H_us_{executor.isa}"
-    if field in cached:
-        return float(cached[field])
+    if "G_H_us" in cached:
+        return float(cached["G_H_us"])
     g = measure_executor_tokens(executor, hidden, act_dtype)
-    store_cached(cache_path, key, {**cached, field: g})
+    store_cached(cache_path, key, {**cached, "G_H_us": g})
     logger.info("FreeToken: the CPU executor's cost per token-expert item (%s): %.3f us",
                 executor.isa, g)
     return g
@@ -339,7 +341,8 @@ def resolve(
     if flag is not None:
         fixed = tuple(flag[2:4]) if len(flag) == 4 else (None, None)
         return Bandwidth(flag[0], flag[1], "flag --freetoken-bandwidth", *fixed)
-    key = machine_key(device, executor.num_threads, expert_shape(pool.specs["w13_weight"]))
+    key = machine_key(device, executor.num_threads, expert_shape(pool.specs["w13_weight"]),
+                      executor.isa)
     cached = load_cached(cache_path, key)
     if cached and "F_P_us" in cached and "F_H_us" in cached:
         return Bandwidth(cached["B_P"], cached["B_H"], f"cache {cache_path}",

@@ -95,6 +95,10 @@ def _choice(*options):
     return parse
 
 
+#: The C executor's kernel paths the flag names (``cpu.executor.ISAS`` less its test path).
+_CPU_ISAS = ("portable", "avx2", "avx512", "avx512_bf16", "amx")
+
+
 def _choice_int(*options):
     def parse(text: str) -> int:
         try:
@@ -233,7 +237,7 @@ class FreeTokenConfig:
     cpu_isa: str = field(
         default="auto",
         metadata=dict(
-            type=_choice("auto", "portable", "avx2", "avx512", "avx512_bf16", "amx"),
+            type=_choice("auto", *_CPU_ISAS),
             help="Kernel path of the CPU expert executor: auto (default) picks the best "
             "this CPU has among portable, avx2, avx512 and avx512_bf16; amx adds AMX-BF16 "
             "tiles for the experts of a call with at least 4 tokens (prefill CPU share, "
@@ -479,7 +483,25 @@ def pop_config(kwargs: Dict[str, Any]) -> Optional[FreeTokenConfig]:
         )
     cfg = FreeTokenConfig(**values)
     check_combination(cfg, non_default)
+    if cfg.cpu_isa != "auto":
+        problem = cpu_isa_problem(cfg.cpu_isa)
+        if problem:
+            raise RefusedError(problem)
     return cfg
+
+
+def cpu_isa_problem(isa: str) -> Optional[str]:
+    """Why ``--freetoken-cpu-isa isa`` cannot run here (the C executor's own check of the CPU,
+    the kernel's AMX permission and the build), or None."""
+    from freetoken_sglang.cpu.executor import CpuExpertExecutor
+
+    have = CpuExpertExecutor.available_isas()
+    if isa in have:
+        return None
+    choices = [c for c in _CPU_ISAS if c in have]
+    return (f"--freetoken-cpu-isa {isa}: this CPU, its kernel or this build lacks that kernel "
+            f"path (here: {', '.join(choices)}); drop the flag (auto picks "
+            f"{CpuExpertExecutor.best_isa()})")
 
 
 def check_combination(cfg: FreeTokenConfig, given) -> None:

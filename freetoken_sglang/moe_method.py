@@ -64,7 +64,9 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         ``[E, ...]`` parameter becomes a pool bank (``experts/formats.py`` checks them).
 
         Raises:
-            UnsupportedModelError: the parameters are not the banks the format describes.
+            UnsupportedModelError: the format is not served in this configuration (e.g. a
+                format without GPU slot kernels under the GPU cache on CUDA), or the
+                parameters are not the banks the format describes.
         """
         from freetoken_sglang.families import UnsupportedModelError
 

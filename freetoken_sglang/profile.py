@@ -76,7 +76,7 @@ def main(argv=None) -> None:
         f_p = bandwidth.measure_fill_fixed(pool.banks, pool.device_banks, device)
         f_h = bandwidth.measure_executor_fixed(ex, hidden, dtype)
         shape = bandwidth.expert_shape(pool.specs["w13_weight"])
-        key = bandwidth.machine_key(device, ex.num_threads, shape)
+        key = bandwidth.machine_key(device, ex.num_threads, shape, ex.isa)
         entry = {
             "B_P": b_p,
             "B_H": b_h,

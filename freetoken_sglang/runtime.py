@@ -134,9 +134,9 @@ class FreeTokenRuntime:
                        initial_values: Optional[Dict[str, float]] = None) -> HostExpertPool:
         """The pool, allocated on the first MoE layer; later layers must match its banks.
         Where SGLang padded the experts' intermediate size beyond the checkpoint's (its CPU
-        engine aligns it for quantized checkpoints: ``configs/update_config.py``), the loader
-        writes only the checkpoint's part of each row, so the banks start from the values
-        SGLang's method gives its parameters (``initial_values``, else 0).
+        engine aligns it, ``configs/update_config.py``), a loader may write only the
+        checkpoint's part of each row (GPT-OSS's MXFP4 loader does), so the banks start from
+        the values SGLang's method gives its parameters (``initial_values``, else 0).
 
         Raises:
             UnsupportedModelError: a layer that is not an MoE layer of the family rule, or
@@ -160,8 +160,8 @@ class FreeTokenRuntime:
                 raise MemoryError(f"--enable-freetoken: {problem}")
             # SGLang's padded expert sizes keep the checkpoint's as original_<name> (set on
             # this config object before the model is built)
-            if any(k.startswith("original_") and "intermediate_size" in k
-                   for k in vars(self.hf_config)):
+            if any(hasattr(self.hf_config, "original_" + name)
+                   for name in ("intermediate_size", "moe_intermediate_size")):
                 for name, bank in self.pool.banks.items():
                     bank.fill_((initial_values or {}).get(name, 0))
             logger.info("FreeToken: host expert pool %s", self.pool.describe())
@@ -397,8 +397,10 @@ class FreeTokenRuntime:
                 gate_up_interleaved=bool(cfg.gate_up_interleaved) if alpha is not None else False,
                 **method.format.executor_kwargs(method.base_method),
             )
-        except IsaNotSupportedError as exc:
-            raise RefusedError(f"--freetoken-cpu-isa {self.config.cpu_isa}: {exc}") from None
+        except IsaNotSupportedError as exc:  # (the flag check refuses this earlier)
+            from freetoken_sglang.config import cpu_isa_problem
+
+            raise RefusedError(cpu_isa_problem(self.config.cpu_isa) or str(exc)) from None
         if self.config.cpu_isa == "amx" and not self.executor.tiled:
             self.executor.close()
             raise RefusedError(

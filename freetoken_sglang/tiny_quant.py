@@ -17,7 +17,7 @@ import json
 import os
 import re
 import shutil
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -137,7 +137,8 @@ def mxfp4_quantize(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     per byte, the even element in the low nibble) and uint8 e8m0 ``scales [..., K/32]``
     (2^(s - 127), the smallest power of two that maps the block's amax to at most 6), as
     GPT-OSS's ``*_proj_blocks`` / ``*_proj_scales`` store them. Magnitudes round to the
-    nearest e2m1 value (ties to the larger)."""
+    nearest e2m1 value (ties to the larger). (SGLang 0.5.17's ``MXFP4QuantizeUtil.quantize``
+    raises a TypeError when it builds its result, so it cannot serve here.)"""
     k = w.shape[-1]
     v = w.float().reshape(*w.shape[:-1], k // 32, 32)
     amax = v.abs().amax(dim=-1, keepdim=True)
@@ -177,9 +178,7 @@ def write_mxfp4(src: str, out: str, twin: str) -> Tuple[str, str]:
 
     stamp = json.dumps({"src": os.path.abspath(src), "format": "mxfp4",
                         "mtime": os.path.getmtime(os.path.join(src, "config.json"))})
-    if all(os.path.exists(os.path.join(d, "freetoken_quant.json"))
-           and open(os.path.join(d, "freetoken_quant.json")).read() == stamp
-           for d in (out, twin)):
+    if all(_read(os.path.join(d, "freetoken_quant.json")) == stamp for d in (out, twin)):
         return out, twin
     tensors: Dict[str, torch.Tensor] = {}
     for f in sorted(glob.glob(os.path.join(src, "*.safetensors"))):
@@ -197,7 +196,8 @@ def write_mxfp4(src: str, out: str, twin: str) -> Tuple[str, str]:
             quant[k + "_blocks"] = blocks.view(*blocks.shape[:-1], 16)
             quant[k + "_scales"] = scales
             deq[k] = mxfp4_dequantize(blocks, scales).transpose(1, 2).to(t.dtype)
-    config = json.load(open(os.path.join(src, "config.json")))
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
     qcfg = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
         "lm_head"]}
@@ -212,9 +212,19 @@ def write_mxfp4(src: str, out: str, twin: str) -> Tuple[str, str]:
                     shutil.copy(p, d)
         save_file({k: v.contiguous() for k, v in ts.items()}, os.path.join(d, "model.safetensors"),
                   metadata={"format": "pt"})
-        json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=2)
-        open(os.path.join(d, "freetoken_quant.json"), "w").write(stamp)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        with open(os.path.join(d, "freetoken_quant.json"), "w") as f:
+            f.write(stamp)
     return out, twin
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def main(argv=None) -> None:

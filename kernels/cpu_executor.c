@@ -822,7 +822,8 @@ static void emulated_tile(const uint8_t *a0, const uint8_t *a1, size_t a_stride,
                 for (int r = 0; r < FT_TILE; r++) {
                     float x0 = bf16_to_f32(am[2 * r]), x1 = bf16_to_f32(am[2 * r + 1]);
                     const uint16_t *br = bk + r * 32;
-                    for (int n = 0; n < FT_TILE; n++) { /* TDPBF16PS's order (no FTZ/DAZ) */
+                    /* TDPBF16PS's order; unlike it, subnormals are not flushed here */
+                    for (int n = 0; n < FT_TILE; n++) {
                         cq[m * FT_TILE + n] += x0 * bf16_to_f32(br[2 * n]);
                         cq[m * FT_TILE + n] += x1 * bf16_to_f32(br[2 * n + 1]);
                     }
@@ -1549,7 +1550,7 @@ static void phase1_group(const ft_executor *ex, const ft_group *g, int64_t j0, i
 static void phase1_units(ft_executor *ex, int64_t ub, int64_t ue) {
     const int64_t I = ex->pool.inter;
     for (int gi = 0; gi < ex->n_groups && ub < ue; gi++) {
-        const ft_group *g = &ex->groups[gi];
+        ft_group *g = &ex->groups[gi]; /* (its packing state is written) */
         int64_t gu0 = g->unit_start;
         int64_t gu1 = gu0 + (I + FT_INTER_BLOCK - 1) / FT_INTER_BLOCK;
         int64_t b = ub > gu0 ? ub : gu0, e = ue < gu1 ? ue : gu1;
@@ -1557,7 +1558,7 @@ static void phase1_units(ft_executor *ex, int64_t ub, int64_t ue) {
         int64_t j0 = (b - gu0) * FT_INTER_BLOCK;
         int64_t j1 = (e - gu0) * FT_INTER_BLOCK;
         if (g->tiled)
-            for (int64_t j = j0; j < j1; j += FT_TILE) phase1_tiled(ex, (ft_group *)g, j);
+            for (int64_t j = j0; j < j1; j += FT_TILE) phase1_tiled(ex, g, j);
         else
             phase1_group(ex, g, j0, j1 < I ? j1 : I);
     }

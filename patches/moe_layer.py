@@ -6,7 +6,8 @@
   over (never a silent fallback to stock SGLang's GPU-resident experts).
 - ``create_weights`` of each format's SGLang method (around;
   ``UnquantizedFusedMoEMethod`` in ``sglang.srt.layers.quantization.unquant``,
-  ``Fp8MoEMethod`` in ``sglang.srt.layers.quantization.fp8``): for a layer marked above,
+  ``Fp8MoEMethod`` in ``sglang.srt.layers.quantization.fp8``, ``Mxfp4MoEMethod`` in
+  ``sglang.srt.layers.quantization.mxfp4``): for a layer marked above,
   installs ``FreeTokenMoEMethod`` as the layer's ``quant_method`` instead, so no expert weight
   is ever allocated on the GPU.
 """

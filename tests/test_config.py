@@ -133,14 +133,28 @@ def test_prefill_cpu_flag():
 
 
 def test_cpu_isa_flag():
-    """auto by default; a named path with a CPU part; a path the flag does not know is refused."""
+    """auto by default; a named path with a CPU part; a path the flag does not know, or one
+    this machine lacks, is refused with the flag check, naming the paths it has."""
+    from freetoken_sglang.cpu.executor import CpuExpertExecutor
+
+    have = CpuExpertExecutor.available_isas()
     assert ft.pop_config({"enable_freetoken": True}).cpu_isa == "auto"
     args = parser().parse_args(["--enable-freetoken", "--freetoken-prefill-cpu", "auto",
-                                "--freetoken-cpu-isa", "amx"])
-    assert ft.pop_config(dict(vars(args))).cpu_isa == "amx"
+                                "--freetoken-cpu-isa", "portable"])
+    assert ft.pop_config(dict(vars(args))).cpu_isa == "portable"
     with pytest.raises(ValueError, match="invalid choice 'sse9'"):
         ft.pop_config({"enable_freetoken": True, "freetoken_miss_policy": "qstar",
                        "freetoken_cpu_isa": "sse9"})
+    for isa in ("amx", "avx512_bf16", "avx512", "avx2"):
+        if isa in have:
+            continue
+        with pytest.raises(ValueError) as e:
+            ft.pop_config({"enable_freetoken": True, "freetoken_miss_policy": "qstar",
+                           "freetoken_cpu_isa": isa})
+        msg = str(e.value)
+        assert f"--freetoken-cpu-isa {isa}: this CPU, its kernel or this build lacks" in msg
+        assert "amx_emulated" not in msg  # not a choice of the flag
+        assert f"drop the flag (auto picks {CpuExpertExecutor.best_isa()})" in msg
 
 
 def test_engine_keywords_are_validated():
@@ -290,8 +304,18 @@ def test_mxfp4_on_a_gpu_is_served_only_with_the_cpu_backend(device, backend, ref
         assert "(mxfp4 experts): the GPU expert cache has no kernels" in str(e.value)
         assert "serve it with --freetoken-backend cpu" in str(e.value)
     base.use_triton_kernels = True
-    with pytest.raises(UnsupportedModelError, match="triton_kernel MoE runner backend"):
+    with pytest.raises(UnsupportedModelError, match="backend for it is triton_kernel, which "
+                       "repacks MXFP4 experts at load and is not served; pass "
+                       "--moe-runner-backend triton"):
         method.create_weights(layer, 8, 64, 32, torch.bfloat16, with_bias=True)
+    # SGLang's own padding of I (here 32 to 64, as with triton_kernels installed) is named
+    base = SimpleNamespace(hidden_size=64, intermediate_size_per_partition=64)
+    with pytest.raises(UnsupportedModelError, match=r"pads the experts \(H, I\) = \(64, 32\) "
+                       r"to \(64, 64\)"):
+        FORMATS["mxfp4"].banks(base, layer, 8, 64, 32, torch.bfloat16, True)
+    base.intermediate_size_per_partition = 32
+    assert FORMATS["mxfp4"].banks(base, layer, 8, 64, 32, torch.bfloat16, True)[
+        "w13_weight_scale"].shape == (64, 2)
 
 
 @pytest.mark.parametrize("backend,policy,limits,fix", [

@@ -41,3 +41,17 @@ def test_check_hooks_applied(monkeypatch):
     assert missing in str(e.value)
     monkeypatch.setattr(HookRegistry, "_patched", set(targets))
     plugin.check_hooks_applied()
+
+
+def test_every_runtime_package_is_installed():
+    """pyproject.toml lists packages by hand: each folder of freetoken_sglang/ with an
+    __init__.py is there (else a non-editable install leaves it out)."""
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {"freetoken_sglang." + p.parent.name
+             for p in (root / "freetoken_sglang").glob("*/__init__.py")}
+    assert found and found <= listed, sorted(found - listed)

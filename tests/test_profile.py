@@ -32,6 +32,7 @@ def test_profile_cli_measures_and_caches(tiny_checkpoint, tmp_path):
     stored = json.loads(cache.read_text())
     assert stored[result["key"]]["B_H"] == result["B_H"]
     assert "threads=1" in result["key"] and "expert=64x64:float32" in result["key"]
+    assert f"isa={result['isa']}" in result["key"]
 
 
 def test_flag_parsing():
@@ -48,6 +49,7 @@ def test_resolve_prefers_flag_then_cache(tmp_path):
 
     class Executor:
         num_threads = 3
+        isa = "avx2"
 
     cache = str(tmp_path / "bw.json")
     got = bandwidth.resolve((10.0, 40.0), Pool(), Executor(), torch.device("cpu"), 4,
@@ -57,7 +59,7 @@ def test_resolve_prefers_flag_then_cache(tmp_path):
     got = bandwidth.resolve((10.0, 40.0, 3.0, 20.0), Pool(), Executor(), torch.device("cpu"),
                             4, torch.bfloat16, cache)
     assert got.fixed_us == (3.0, 20.0)
-    key = bandwidth.machine_key(torch.device("cpu"), 3, "8x4:bfloat16")
+    key = bandwidth.machine_key(torch.device("cpu"), 3, "8x4:bfloat16", "avx2")
     bandwidth.store_cached(cache, key, {"B_P": 50.0, "B_H": 100.0, "F_P_us": 2.0,
                                         "F_H_us": 9.0})
     got = bandwidth.resolve(None, Pool(), Executor(), torch.device("cpu"), 4, torch.bfloat16, cache)

@@ -22,8 +22,8 @@ except ImportError as _exc:  # pragma: no cover - exercised through a subprocess
 
 __all__ = ["CpuExpertExecutor", "CpuMoeTask", "IsaNotSupportedError", "ISAS"]
 
-#: Kernel paths, from the portable C up ("auto" picks the last one the CPU supports, "amx"
-#: and "amx_emulated" aside; "amx_emulated", a test path, is the slowest of all). "amx" is "avx512_bf16" plus AMX-BF16 tiles for the experts of a
+#: Kernel paths: "auto" picks the last one the CPU supports, "amx" and "amx_emulated"
+#: aside ("amx_emulated", a test path, is the slowest of all). "amx" is "avx512_bf16" plus AMX-BF16 tiles for the experts of a
 #: call with at least ``tile_min`` tokens (dense BF16 pools, H and I multiples of 32:
 #: prefill-sized CPU work); asked for by name until it is measured in a server.
 #: "amx_emulated" runs those tiles' layouts in portable C (tests on CPUs without AMX).
@@ -79,7 +79,7 @@ def _check_isa(isa: str) -> int:
     code = _ISA_CODE[isa]
     if not _lib.ft_isa_supported(code):
         raise IsaNotSupportedError(
-            f"this CPU does not support the {isa!r} kernel path "
+            f"this CPU, its kernel or this build does not support the {isa!r} kernel path "
             f"(supported: {CpuExpertExecutor.available_isas()})"
         )
     return code
@@ -556,7 +556,8 @@ class CpuExpertExecutor:
     # ---- capabilities ---------------------------------------------------------------------
     @staticmethod
     def available_isas() -> List[str]:
-        """The kernel paths this CPU supports, slowest first."""
+        """The kernel paths this CPU supports, in :data:`ISAS`' order. Asking about "amx"
+        requests Linux's AMX permission for the process (``arch_prctl``)."""
         return [name for name in ISAS if _lib.ft_isa_supported(_ISA_CODE[name])]
 
     @staticmethod

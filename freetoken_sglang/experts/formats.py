@@ -221,14 +221,24 @@ def _mxfp4_supports(base_method) -> Optional[str]:
     for flag, name in (("use_marlin", "marlin"), ("use_flashinfer", "flashinfer_mxfp4"),
                        ("use_deep_gemm", "deep_gemm"), ("use_triton_kernels", "triton_kernel")):
         if getattr(base_method, flag, False):
-            return (f"the {name} MoE runner backend repacks MXFP4 experts at load and is not "
-                    "served; drop --moe-runner-backend (or give triton)")
+            return (f"SGLang's MoE runner backend for it is {name}, which repacks MXFP4 "
+                    "experts at load and is not served; pass --moe-runner-backend triton")
     return None
 
 
 def _mxfp4_banks(base_method, layer, num_experts, hidden, inter, params_dtype, with_bias):
-    # Mxfp4MoEMethod.create_weights without padding (no marlin / flashinfer / SM100 /
-    # triton_kernels alignment); it always registers the BF16 biases outside ROCm
+    """Mxfp4MoEMethod.create_weights' banks (it always registers the BF16 biases outside
+    ROCm). It pads I (and H) for some kernels (triton_kernels installed, SM100, aiter):
+    refused, since a fill would move the padding and the C executor reads unpadded rows."""
+    from freetoken_sglang.families import UnsupportedModelError
+
+    padded = (getattr(base_method, "hidden_size", hidden),
+              getattr(base_method, "intermediate_size_per_partition", inter))
+    if padded != (hidden, inter):
+        raise UnsupportedModelError(
+            f"--enable-freetoken (mxfp4 experts): SGLang's Mxfp4MoEMethod pads the experts "
+            f"(H, I) = {(hidden, inter)} to {padded} for its kernels here, which FreeToken "
+            "does not serve; experts whose sizes need no padding (e.g. GPT-OSS's 2880) are")
     u8 = torch.uint8
     return {
         "w13_weight": BankSpec((2 * inter, hidden // 2), u8),
