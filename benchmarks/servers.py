@@ -145,6 +145,44 @@ SHAPES["qwen3-30b-a3b-fp8"] = {
                             "quant_method": "fp8", "weight_block_size": [128, 128]},
 }
 
+# GPT-OSS-120B (config of openai/gpt-oss-120b): 36 layers alternating sliding (128) and full
+# attention, 128 experts, top-4, experts in MXFP4 (FreeToken serves them on a GPU with
+# --freetoken-backend cpu; pass --moe-runner-backend triton to FreeToken).
+SHAPES["gpt-oss-120b"] = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 36,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 4,
+    "experts_per_token": 4,
+    "vocab_size": 201088,
+    "max_position_embeddings": 131072,
+    "initial_context_length": 4096,
+    "rope_theta": 150000,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                     "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                     "truncate": False},
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "swiglu_limit": 7.0,
+    "sliding_window": 128,
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "eos_token_id": 200002,
+    "pad_token_id": 199999,
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]},
+}
+
 
 def write_tokenizer(shape: str, out_dir: str) -> str:
     """A tokenizer directory for a dummy-weight shape: the tiny models' BPE and chat template
