@@ -82,17 +82,9 @@ def write_fp8_block(src: str, out: str, twin: str, block: Tuple[int, int] = (16,
     Returns:
         ``(out, twin)``. Both are rebuilt only when ``src`` or ``block`` changed.
     """
-    from safetensors.torch import load_file, save_file
-
-    stamp = json.dumps({"src": os.path.abspath(src), "block": list(block),
-                        "mtime": os.path.getmtime(os.path.join(src, "config.json"))})
-    if all(os.path.exists(os.path.join(d, "freetoken_quant.json"))
-           and open(os.path.join(d, "freetoken_quant.json")).read() == stamp
-           for d in (out, twin)):
+    stamp, tensors = _stamp_and_tensors(src, out, twin, {"block": list(block)})
+    if tensors is None:
         return out, twin
-    tensors: Dict[str, torch.Tensor] = {}
-    for f in sorted(glob.glob(os.path.join(src, "*.safetensors"))):
-        tensors.update(load_file(f))
     quant, deq = {}, {}
     for k, t in tensors.items():
         if EXPERT_WEIGHT.search(k):
@@ -102,15 +94,38 @@ def write_fp8_block(src: str, out: str, twin: str, block: Tuple[int, int] = (16,
             deq[k] = fp8_block_dequantize(q, s, block).to(t.dtype)
         else:
             quant[k] = deq[k] = t
-    config = json.load(open(os.path.join(src, "config.json")))
-    for d, ts, cfg in (
-        (out, quant, {**config, "quantization_config": {
-            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": list(block),
-            "modules_to_not_convert": _not_converted(tensors),
-        }}),
-        (twin, deq, config),
-    ):
+    _write_pair(src, out, twin, quant, deq, {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": list(block), "modules_to_not_convert": _not_converted(tensors),
+    }, stamp)
+    return out, twin
+
+
+def _stamp_and_tensors(src: str, out: str, twin: str, what: dict):
+    """``(stamp, tensors)``: the stamp of ``src`` and ``what``, and ``src``'s tensors, or None
+    for them when ``out`` and ``twin`` already carry that stamp (nothing to rebuild)."""
+    from safetensors.torch import load_file
+
+    stamp = json.dumps({"src": os.path.abspath(src), **what,
+                        "mtime": os.path.getmtime(os.path.join(src, "config.json"))})
+    if all(_read(os.path.join(d, "freetoken_quant.json")) == stamp for d in (out, twin)):
+        return stamp, None
+    tensors: Dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(os.path.join(src, "*.safetensors"))):
+        tensors.update(load_file(f))
+    return stamp, tensors
+
+
+def _write_pair(src: str, out: str, twin: str, quant: Dict[str, torch.Tensor],
+                deq: Dict[str, torch.Tensor], quantization_config: dict, stamp: str) -> None:
+    """Write the quantized checkpoint (``src``'s config plus ``quantization_config``) and its
+    twin, each with ``src``'s other files and the ``stamp`` that marks them up to date."""
+    from safetensors.torch import save_file
+
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    for d, ts, cfg in ((out, quant, {**config, "quantization_config": quantization_config}),
+                       (twin, deq, config)):
         os.makedirs(d, exist_ok=True)
         for f in os.listdir(src):
             if not f.endswith(".safetensors") and f not in ("config.json", "freetoken_tiny.json",
@@ -120,9 +135,10 @@ def write_fp8_block(src: str, out: str, twin: str, block: Tuple[int, int] = (16,
                     shutil.copy(p, d)
         save_file({k: v.contiguous() for k, v in ts.items()}, os.path.join(d, "model.safetensors"),
                   metadata={"format": "pt"})
-        json.dump(cfg, open(os.path.join(d, "config.json"), "w"), indent=2)
-        open(os.path.join(d, "freetoken_quant.json"), "w").write(stamp)
-    return out, twin
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        with open(os.path.join(d, "freetoken_quant.json"), "w") as f:
+            f.write(stamp)
 
 
 # ---- MXFP4 (GPT-OSS's checkpoints: e2m1 pairs per byte, one e8m0 scale per 32 values) -------
@@ -174,15 +190,9 @@ def write_mxfp4(src: str, out: str, twin: str) -> Tuple[str, str]:
     Returns:
         ``(out, twin)``, rebuilt only when ``src`` changed.
     """
-    from safetensors.torch import load_file, save_file
-
-    stamp = json.dumps({"src": os.path.abspath(src), "format": "mxfp4",
-                        "mtime": os.path.getmtime(os.path.join(src, "config.json"))})
-    if all(_read(os.path.join(d, "freetoken_quant.json")) == stamp for d in (out, twin)):
+    stamp, tensors = _stamp_and_tensors(src, out, twin, {"format": "mxfp4"})
+    if tensors is None:
         return out, twin
-    tensors: Dict[str, torch.Tensor] = {}
-    for f in sorted(glob.glob(os.path.join(src, "*.safetensors"))):
-        tensors.update(load_file(f))
     quant, deq = {}, {}
     for k, t in tensors.items():
         m = GPT_OSS_EXPERTS.search(k)
@@ -196,26 +206,10 @@ def write_mxfp4(src: str, out: str, twin: str) -> Tuple[str, str]:
             quant[k + "_blocks"] = blocks.view(*blocks.shape[:-1], 16)
             quant[k + "_scales"] = scales
             deq[k] = mxfp4_dequantize(blocks, scales).transpose(1, 2).to(t.dtype)
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    qcfg = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
-        "lm_head"]}
-    for d, ts, cfg in ((out, quant, {**config, "quantization_config": qcfg}),
-                       (twin, deq, config)):
-        os.makedirs(d, exist_ok=True)
-        for f in os.listdir(src):
-            if not f.endswith(".safetensors") and f not in ("config.json", "freetoken_tiny.json",
-                                                            "model.safetensors.index.json"):
-                p = os.path.join(src, f)
-                if os.path.isfile(p):
-                    shutil.copy(p, d)
-        save_file({k: v.contiguous() for k, v in ts.items()}, os.path.join(d, "model.safetensors"),
-                  metadata={"format": "pt"})
-        with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
-        with open(os.path.join(d, "freetoken_quant.json"), "w") as f:
-            f.write(stamp)
+    _write_pair(src, out, twin, quant, deq, {
+        "quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"]}, stamp)
     return out, twin
 
 
