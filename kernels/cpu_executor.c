@@ -24,7 +24,11 @@
  * dot-product micro-kernels take 4 weight rows and up to FT_TMAX token vectors at a time,
  * with one kernel per (path, weight dtype), and prefetch the rows of their next call into
  * L2 while they run. Every SIMD path is compiled with a target attribute and chosen at run
- * time, so one binary runs on any x86-64 CPU. */
+ * time, so one binary runs on any x86-64 CPU. On the AMX paths, an expert with at least
+ * tile_min tokens in the call runs on tiles instead: its phase-1 units and its share of each
+ * phase-2 block are 16 x 16 tile products over the weights in place and the expert's tokens,
+ * which the first thread to reach the expert packs once into the tiles' layout (xt); phase 1
+ * writes its intermediate in that layout too (it). */
 #define _GNU_SOURCE
 #include "cpu_executor.h"
 
