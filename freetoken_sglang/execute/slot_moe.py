@@ -22,12 +22,6 @@ from freetoken_sglang.experts.formats import TritonQuant
 # a layer without FreeToken's method (the executors' unit tests' bare layers) is unquantized
 _UNQUANTIZED = TritonQuant()
 
-def _check_gpu_slots(layer) -> None:
-    fmt = getattr(getattr(layer, "quant_method", None), "format", None)
-    if fmt is not None and not fmt.gpu_slots:  # (refused at start; never reached)
-        raise RuntimeError(f"FreeToken: no GPU slot kernels for {fmt.label} experts")
-
-
 def run_on_slots_triton(
     layer,
     hidden_states: torch.Tensor,
@@ -57,7 +51,6 @@ def run_on_slots_triton(
     Returns:
         ``[T, H]`` (``hidden_states`` itself when the runner config is in place).
     """
-    _check_gpu_slots(layer)
     from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import (
         _fused_moe_kernel_sequence,
         _prepare_fused_moe_run,
@@ -68,6 +61,8 @@ def run_on_slots_triton(
     cfg = layer.moe_runner_config
     ids = routed_ids
     tq = getattr(getattr(layer, "quant_method", None), "triton_quant", _UNQUANTIZED)
+    if tq is None:  # a format without GPU slot kernels (refused at start; never reached)
+        raise RuntimeError("FreeToken: no GPU slot kernels for this layer's expert format")
     quant, scales = tq.kernel_kwargs(slot_banks)
     (
         config,

@@ -58,7 +58,7 @@ class ExpertFormat:
         banks: ``(base_method, layer, num_experts, hidden, inter, params_dtype, with_bias) ->
             {bank name: BankSpec}``: the banks of one expert, as the SGLang method registers
             them (``[E, *spec.shape]`` parameters named as the banks).
-        triton: ``base_method -> TritonQuant``.
+        triton: ``base_method -> TritonQuant``, or None without GPU slot kernels.
         dequantize: ``(base_method, {bank: rows [n, ...]}, dtype) -> (w13 [n, R, H],
             w2 [n, H, I])`` in ``dtype``, by the format's definition.
         executor_kwargs: ``base_method -> kwargs`` of ``CpuExpertExecutor`` for this format.
@@ -269,7 +269,7 @@ MXFP4 = ExpertFormat(
     quantizations=("mxfp4",),
     supports=_mxfp4_supports,
     banks=_mxfp4_banks,
-    triton=lambda base_method: TritonQuant(),  # not used: no GPU slot kernels (gpu_slots)
+    triton=lambda base_method: None,  # no GPU slot kernels (gpu_slots)
     dequantize=lambda base_method, rows, dtype: (
         dequantize_mxfp4(rows["w13_weight"], rows["w13_weight_scale"], dtype),
         dequantize_mxfp4(rows["w2_weight"], rows["w2_weight_scale"], dtype),
