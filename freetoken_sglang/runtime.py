@@ -402,12 +402,12 @@ class FreeTokenRuntime:
 
             raise RefusedError(cpu_isa_problem(self.config.cpu_isa) or str(exc)) from None
         if self.config.cpu_isa == "amx" and not self.executor.tiled:
-            self.executor.close()
+            ex, self.executor = self.executor, None
+            what = f"{ex.weight_format}, H={ex.hidden_size}, I={ex.intermediate_size}"
+            ex.close()
             raise RefusedError(
                 "--freetoken-cpu-isa amx: AMX tiles need dense BF16 experts with hidden and "
-                f"intermediate sizes multiples of 32 (these: {self.executor.weight_format}, "
-                f"H={self.executor.hidden_size}, I={self.executor.intermediate_size}); drop "
-                "the flag")
+                f"intermediate sizes multiples of 32 (these: {what}); drop the flag")
         if prefill_cpu:
             self._start_prefill_cpu(max_tokens)
         if name == "fill":

@@ -297,6 +297,7 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
             assert stats["prefill_cpu"] == "off" and stream["experts_cpu"] == 0
         if policy == "fill":
             assert total["cpu"] == 0 and total["fills"] > 0 and total["evictions"] > 0
+            assert (stats["cpu_executor"] is None) == (variant == "fill")
         elif variant == "qstar":
             assert total["fills"] > 0 and total["cpu"] > 0
             assert stats["bandwidth"]["ratio"] == 0.5
@@ -349,6 +350,11 @@ def test_pure_cpu_backend_matches_stock_sglang(tiny_checkpoint, family, tmp_path
     total = stats["total"]
     assert stats["cache"]["slots"] == 0 and stats["backend"] == "cpu"
     assert total["cpu"] == total["reads"] > 0 and total["fills"] == 0
+    from freetoken_sglang.cpu.executor import CpuExpertExecutor
+
+    assert stats["cpu_executor"] == {"isa": CpuExpertExecutor.best_isa(), "threads":
+                                     stats["cpu_executor"]["threads"], "tile_min_tokens": None}
+    assert stats["cpu_executor"]["threads"] >= 1
 
 
 @pytest.mark.parametrize("family", TRANSFORMERS_FAMILIES)

@@ -88,6 +88,11 @@ def stats_document(rt) -> Dict[str, object]:
             "mode": rt.choice.prefill,
             "stream_min_tokens": rt.choice.stream_min_rows,
         }
+    ex = getattr(rt, "executor", None)
+    out["cpu_executor"] = None if ex is None else {
+        "isa": ex.isa, "threads": ex.num_threads,
+        "tile_min_tokens": ex.tile_min if ex.tiled else None,
+    }
     rule = getattr(rt, "prefill_cpu_rule", None)
     if rule is None:
         out["prefill_cpu"] = "off"
