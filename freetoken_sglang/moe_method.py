@@ -72,7 +72,7 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
 
         reason = self.format.supports(self.base_method)
         rt = self.runtime
-        if not reason and not self.format.gpu_slots and rt.backend == "gpu" and \
+        if not reason and self.triton_quant is None and rt.backend == "gpu" and \
                 rt.device.type == "cuda":
             reason = ("the GPU expert cache has no kernels for this format yet; serve it with "
                       "--freetoken-backend cpu (every routed expert on the C executor, which "

@@ -169,11 +169,12 @@ def mxfp4_quantize(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[..., K]`` values of ``mxfp4_quantize``'s output, by the format's definition."""
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()
-    mag = torch.tensor(E2M1)[codes & 7]
-    v = torch.where(codes >= 8, -mag, mag) * torch.exp2(scales.float() - 127).unsqueeze(-1)
-    return v.flatten(-2)
+    """fp32 ``[..., K]`` values of ``mxfp4_quantize``'s output (SGLang's
+    ``MXFP4QuantizeUtil.dequantize``)."""
+    from sglang.srt.layers.quantization.mxfp4_tensor import MXFP4QuantizeUtil
+
+    out = MXFP4QuantizeUtil.dequantize(blocks, torch.float32, scales, [32])
+    return out.reshape(*blocks.shape[:-2], -1)
 
 
 def write_mxfp4(src: str, out: str, twin: str) -> Tuple[str, str]:

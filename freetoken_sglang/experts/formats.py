@@ -58,12 +58,12 @@ class ExpertFormat:
         banks: ``(base_method, layer, num_experts, hidden, inter, params_dtype, with_bias) ->
             {bank name: BankSpec}``: the banks of one expert, as the SGLang method registers
             them (``[E, *spec.shape]`` parameters named as the banks).
-        triton: ``base_method -> TritonQuant``, or None without GPU slot kernels.
+        triton: ``base_method -> TritonQuant``, or None where SGLang's MoE kernels cannot
+            run the format over GPU cache slots (on a GPU it is then served only with
+            ``--freetoken-backend cpu``).
         dequantize: ``(base_method, {bank: rows [n, ...]}, dtype) -> (w13 [n, R, H],
             w2 [n, H, I])`` in ``dtype``, by the format's definition.
         executor_kwargs: ``base_method -> kwargs`` of ``CpuExpertExecutor`` for this format.
-        gpu_slots: SGLang's MoE kernels can run this format over GPU cache slots (False: on
-            a GPU it is served only with ``--freetoken-backend cpu``).
         initial_values: ``(bank, value)`` pairs of the values SGLang's method initializes its
             parameters to where they are not 0 (e.g. MXFP4's scales, 127 = 2^0): where SGLang
             pads the experts beyond the checkpoint's sizes, the pool starts from them.
@@ -77,7 +77,6 @@ class ExpertFormat:
     triton: Callable
     dequantize: Callable
     executor_kwargs: Callable
-    gpu_slots: bool = True
     initial_values: Tuple[Tuple[str, float], ...] = ()
 
     def check_banks(self, base_method, layer, params: Dict[str, torch.Tensor], num_experts: int,
@@ -269,13 +268,12 @@ MXFP4 = ExpertFormat(
     quantizations=("mxfp4",),
     supports=_mxfp4_supports,
     banks=_mxfp4_banks,
-    triton=lambda base_method: None,  # no GPU slot kernels (gpu_slots)
+    triton=lambda base_method: None,  # no GPU slot kernels: --freetoken-backend cpu on a GPU
     dequantize=lambda base_method, rows, dtype: (
         dequantize_mxfp4(rows["w13_weight"], rows["w13_weight_scale"], dtype),
         dequantize_mxfp4(rows["w2_weight"], rows["w2_weight_scale"], dtype),
     ),
     executor_kwargs=lambda base_method: {},
-    gpu_slots=False,
     initial_values=(("w13_weight_scale", 127), ("w2_weight_scale", 127)),  # _UE8M0_ONE
 )
 
