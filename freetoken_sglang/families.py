@@ -118,11 +118,11 @@ def quantization_problem(quant) -> Optional[str]:
     method = q.get("quant_method")
     served = ", ".join(sorted(QUANTIZATIONS))
     algo = str(q.get("quant_algo") or "").upper()
-    if method in ("modelopt_fp4", "nvfp4") or (method == "modelopt" and "FP4" in algo):
-        return ("NVFP4 experts (ModelOpt FP4) are not served yet: on Hopper GPUs such as the "
-                "H200, SGLang 0.5.17 runs NVFP4 MoE only through its Marlin W4A16 fallback, "
-                "which FreeToken does not drive over cache slots yet (the CPU executor already "
-                "reads NVFP4); serve a BF16 or FP8-block checkpoint")
+    if method == "modelopt":  # ModelOpt's config.json; SGLang picks its method by quant_algo
+        if algo != "NVFP4":
+            return (f"ModelOpt {algo or 'quantization'} experts are not served yet (ModelOpt "
+                    "NVFP4 is); serve an NVFP4, FP8-block or BF16 checkpoint")
+        method = "modelopt_fp4"
     if method not in QUANTIZATIONS:
         return (f"quantization {method!r} is not served yet (served: BF16, FP16, FP32 and "
                 f"{served}); serve a checkpoint in one of those")

@@ -110,8 +110,7 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         self.ordinal = pool.ordinal(layer.layer_id)
         self.num_experts = num_experts
         for name, meta in params.items():
-            param = torch.nn.Parameter(pool.layer_rows(name, layer.layer_id), requires_grad=False)
-            param.__dict__.update(meta.__dict__)  # weight_loader, quant_method, ... as SGLang set
+            param = _parameter_like(meta, pool.layer_rows(name, layer.layer_id))
             layer.register_parameter(name, param)
         self.runtime.register_layer(layer, self)
 
@@ -161,3 +160,16 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
             rt.recorder.record_layer(self.ordinal, topk_output.topk_ids)
         out = rt.executor_for(call.rows).run(call)
         return StandardCombineInput(hidden_states=out)
+
+
+def _parameter_like(meta: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Parameter:
+    """A parameter over ``data`` of ``meta``'s class (a plain ``Parameter``, or one of
+    SGLang's ``layers/parameter.py`` classes, whose ``weight_loader`` is a property) with
+    its attributes (weight_loader, quant_method, ...), without re-running its ``__init__``."""
+    cls = type(meta)
+    if cls is torch.nn.Parameter:
+        param = torch.nn.Parameter(data, requires_grad=False)
+    else:  # BasevLLMParameter.__new__(cls, data, **kwargs) in SGLang 0.5.17
+        param = cls.__new__(cls, data=data)
+    param.__dict__.update(meta.__dict__)
+    return param

@@ -21,6 +21,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from freetoken_sglang.experts.formats import E2M1_VALUES, dequantize_nvfp4
+
 #: A routed expert's projection weight in the per-expert checkpoint layout of every family.
 EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 FP8_MAX = 448.0
@@ -145,7 +147,7 @@ def _write_pair(src: str, out: str, twin: str, quant: Dict[str, torch.Tensor],
 
 #: GPT-OSS's fused expert tensors (``[E, in, out]`` in a BF16/FP32 checkpoint).
 GPT_OSS_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1 = E2M1_VALUES[:8]  # the magnitudes
 
 
 def mxfp4_quantize(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -211,6 +213,70 @@ def write_mxfp4(src: str, out: str, twin: str) -> Tuple[str, str]:
         "quant_method": "mxfp4", "modules_to_not_convert": [
             "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
             "lm_head"]}, stamp)
+    return out, twin
+
+
+# ---- NVFP4 (ModelOpt FP4: e2m1 pairs per byte, an e4m3 scale per 16, an fp32 scale_2) ----
+
+E4M3_MAX = 448.0
+
+
+def nvfp4_quantize(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w [R, C]`` (C % 16 == 0) as ModelOpt's NVFP4 checkpoints store a linear weight:
+    uint8 ``weight [R, C/2]`` (two e2m1 codes per byte, the even column in the low nibble),
+    float8_e4m3fn ``weight_scale [R, C/16]`` and fp32 ``weight_scale_2 []``, so that a value
+    is ``e2m1 * weight_scale * weight_scale_2``. ``weight_scale_2`` is a power of two (the
+    smallest that maps the tensor's amax to at most 6 * 448), so every dequantized value is
+    exact in BF16; magnitudes round to the nearest e2m1 value (ties to the larger).
+    ``experts.formats.dequantize_nvfp4`` gives the values back."""
+    r, c = w.shape
+    v = w.float().reshape(r, c // 16, 16)
+    amax = float(v.abs().max().clamp(min=1e-12))
+    scale_2 = torch.exp2(torch.ceil(torch.log2(torch.tensor(amax / (6.0 * E4M3_MAX)))))
+    block = (v.abs().amax(dim=-1) / 6.0 / scale_2).clamp(max=E4M3_MAX)
+    scale = block.to(torch.float8_e4m3fn)
+    step = scale.float() * scale_2
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    mag = (v / step.unsqueeze(-1)).abs()
+    grid = torch.tensor(E2M1)
+    idx = (mag.unsqueeze(-1) - grid).abs().flip(-1).argmin(dim=-1)
+    code = (7 - idx).to(torch.uint8) | ((v < 0).to(torch.uint8) << 3)
+    code = code.reshape(r, c)
+    packed = code[:, 0::2] | (code[:, 1::2] << 4)
+    return packed.contiguous(), scale.contiguous(), scale_2.float().reshape(())
+
+
+def write_nvfp4(src: str, out: str, twin: str) -> Tuple[str, str]:
+    """Write ``src``'s NVFP4 checkpoint to ``out`` and its dequantized twin to ``twin``.
+
+    ``out`` stores each routed expert projection as ModelOpt's NVFP4 checkpoints do
+    (``weight`` uint8 ``[R, C/2]``, ``weight_scale`` float8_e4m3fn ``[R, C/16]``,
+    ``weight_scale_2`` and ``input_scale`` fp32 scalars) with ``quantization_config``
+    ``{"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": [every
+    other module]}``; in ``twin`` those weights are their dequantized values.
+
+    Args:
+        src: a tiny checkpoint (``tiny_models.build_tiny_checkpoint``), per-expert weights.
+
+    Returns:
+        ``(out, twin)``, rebuilt only when ``src`` changed.
+    """
+    stamp, tensors = _stamp_and_tensors(src, out, twin, {"format": "nvfp4"})
+    if tensors is None:
+        return out, twin
+    quant, deq = {}, {}
+    for k, t in tensors.items():
+        if EXPERT_WEIGHT.search(k):
+            q, s, s2 = nvfp4_quantize(t)
+            base = k[: -len("weight")]
+            quant.update({k: q, base + "weight_scale": s, base + "weight_scale_2": s2,
+                          base + "input_scale": torch.tensor(1.0)})
+            deq[k] = dequantize_nvfp4(q[None], s[None], s2[None], t.dtype)[0]
+        else:
+            quant[k] = deq[k] = t
+    _write_pair(src, out, twin, quant, deq, {
+        "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+        "ignore": _not_converted(tensors) + ["lm_head"]}, stamp)
     return out, twin
 
 

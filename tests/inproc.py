@@ -49,7 +49,8 @@ def load_model_runner(model_path: str, **server_kwargs):
 
 _EXPERT = re.compile(
     r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-    r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|weight_scale_inv)$"
+    r"(gate_proj|up_proj|down_proj|w1|w2|w3)\."
+    r"(weight|weight_scale_inv|weight_scale|weight_scale_2|input_scale)$"
 )
 _FUSED_MXFP4 = re.compile(
     r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj_blocks|gate_up_proj_scales|"
@@ -80,20 +81,23 @@ def check_pool_layout(model_path: str, **kw) -> dict:
             if not m:
                 continue
             layer, expert, kind = int(m.group(1)), int(m.group(2)), _KIND[m.group(3)]
-            suffix = "" if m.group(4) == "weight" else "_scale_inv"
+            # bank suffix: FP8 block scales, NVFP4 block scales, per-tensor scales
+            suffix = {"weight": "_weight", "weight_scale_inv": "_weight_scale_inv",
+                      "weight_scale": "_weight_scale", "weight_scale_2": "_weight_scale_2",
+                      "input_scale": "_input_scale"}[m.group(4)]
             want = f.get_tensor(key)
             row = pool.ordinal(layer) * E + expert
-            w13, w2 = pool.banks["w13_weight" + suffix], pool.banks["w2_weight" + suffix]
-            half = w13.shape[1] // 2  # gate rows (or gate scale-block rows), then up
-            if kind == "gate":
-                got = w13[row, :half]
-            elif kind == "up":
-                got = w13[row, half:]
-            else:
+            w13, w2 = pool.banks["w13" + suffix], pool.banks["w2" + suffix]
+            half = w13.shape[1] // 2 if w13.dim() > 1 else None  # gate rows (or scales), up
+            if kind == "down":
                 got = w2[row]
+            elif half is None or w13.dim() == 2:  # a per-tensor scale: [gate, up] per expert
+                got = w13[row] if half is None else w13[row, 0 if kind == "gate" else 1]
+            else:
+                got = w13[row, :half] if kind == "gate" else w13[row, half:]
             # bit for bit: the pool holds the checkpoint's own codes and scales
-            if got.dtype != want.dtype or not torch.equal(got.view(torch.uint8),
-                                                          want.contiguous().view(torch.uint8)):
+            if got.dtype != want.dtype or not torch.equal(
+                    got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)):
                 mismatches.append(key)
             seen.add((row, kind + suffix))
     # GPT-OSS's fused MXFP4 tensors ([E, ...] per layer); where SGLang padded the experts

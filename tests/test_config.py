@@ -261,9 +261,8 @@ def test_launch_server_rejects_bad_value_before_loading():
 
 
 @pytest.mark.parametrize("quant,needle", [
-    ({"quant_method": "modelopt", "quant_algo": "NVFP4"},
-     "NVFP4 experts (ModelOpt FP4) are not served yet: on Hopper GPUs such as the H200"),
-    ({"quant_method": "modelopt_fp4"}, "Marlin W4A16 fallback"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"},
+     "ModelOpt FP8 experts are not served yet (ModelOpt NVFP4 is)"),
     ({"quant_method": "awq", "bits": 4}, "quantization 'awq' is not served yet"),
 ])
 def test_unserved_quantizations_name_why(quant, needle):
@@ -271,14 +270,18 @@ def test_unserved_quantizations_name_why(quant, needle):
 
     assert needle in quantization_problem(quant)
     assert quantization_problem({"quant_method": "fp8", "weight_block_size": [128, 128]}) is None
-    assert quantization_problem({"quant_method": "mxfp4"}) is None  # the layer checks the rest
+    # the layer checks the rest
+    assert quantization_problem({"quant_method": "mxfp4"}) is None
+    assert quantization_problem({"quant_method": "modelopt", "quant_algo": "NVFP4"}) is None
+    assert quantization_problem({"quant_method": "modelopt_fp4"}) is None
 
 
 @pytest.mark.parametrize("device,backend,refused", [
     ("cuda", "gpu", True), ("cuda", "cpu", False), ("cpu", "gpu", False)])
-def test_mxfp4_on_a_gpu_is_served_only_with_the_cpu_backend(device, backend, refused):
-    """No GPU slot kernels for MXFP4 yet: the GPU cache refuses it when the model is built,
-    naming --freetoken-backend cpu; elsewhere the layer goes on to SGLang's create_weights."""
+def test_fp4_formats_on_a_gpu_are_served_only_with_the_cpu_backend(device, backend, refused):
+    """No GPU slot kernels for MXFP4 and NVFP4 yet: the GPU cache refuses them when the model
+    is built, naming --freetoken-backend cpu; elsewhere the layer goes on to SGLang's
+    create_weights."""
     from types import SimpleNamespace
 
     import torch
@@ -316,6 +319,14 @@ def test_mxfp4_on_a_gpu_is_served_only_with_the_cpu_backend(device, backend, ref
     base.intermediate_size_per_partition = 32
     assert FORMATS["mxfp4"].banks(base, layer, 8, 64, 32, torch.bfloat16, True)[
         "w13_weight_scale"].shape == (64, 2)
+    # NVFP4 likewise (SGLang's NVFP4 MoE on an H200 is Marlin's repacked layout)
+    nv = SimpleNamespace(quant_config=SimpleNamespace(is_checkpoint_nvfp4_serialized=True,
+                                                      group_size=16))
+    nv_method = FreeTokenMoEMethod(rt, nv, FORMATS["nvfp4"], original)
+    with pytest.raises(UnsupportedModelError if refused else Built) as e:
+        nv_method.create_weights(layer, 8, 64, 32, torch.bfloat16)
+    if refused:
+        assert "(nvfp4 experts): the GPU expert cache has no kernels" in str(e.value)
 
 
 @pytest.mark.parametrize("backend,policy,limits,fix", [

@@ -1,4 +1,5 @@
-"""Quantized experts on the CPU-run SGLang: FP8 with block scales (``experts/formats.py``).
+"""Quantized experts on the CPU-run SGLang: FP8 with block scales and NVFP4 (ModelOpt FP4)
+(``experts/formats.py``).
 
 Stock SGLang 0.5.17 cannot run FP8 MoE layers on the CPU engine: its CPU path needs
 sgl_kernel's AMX FP8 kernels, which the CPU stand-in (``tests/stubs``) does not have, and FP8
@@ -10,13 +11,20 @@ the C executor on the twin's dense experts. On the GPU the check is against stoc
 the FP8 checkpoint itself (``benchmarks/gpu_equality.py --quant fp8_block``). The C
 executor's FP8, MXFP4 and NVFP4 kernels are checked against a float64 reference in
 ``test_cpu_executor_quant.py``; the refusal of other quantizations is in ``test_startup.py``.
+
+NVFP4: stock SGLang 0.5.17 cannot run it on the CPU engine either (its
+``ModelOptNvFp4FusedMoEMethod`` needs Blackwell kernels or Marlin on a CUDA GPU), so it too is
+held to stock SGLang serving its dequantized twin (``tiny_quant.write_nvfp4``).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from freetoken_sglang.tiny_quant import write_fp8_block
+import torch
+
+from freetoken_sglang.experts.formats import dequantize_nvfp4
+from freetoken_sglang.tiny_quant import nvfp4_quantize, write_fp8_block, write_nvfp4
 from inproc import run_check
 from test_e2e_families import CACHE_25, CHUNK, FAMILY_SHAPES, POLICIES, assert_same_tokens, serve_and_collect
 
@@ -86,4 +94,84 @@ def test_fp8_block_on_the_cpu_executor(fp8_checkpoint, tmp_path):
     got, stats, log = serve_and_collect(path, flags, str(tmp_path / "fp8.log"))
     assert "float8_e4m3fn" in log
     assert_same_tokens(got, want, "fp8 on the C executor")
+    assert stats["total"]["cpu"] == stats["total"]["reads"] > 0
+
+
+def test_nvfp4_codes_round_trip():
+    # by the format's definition: e2m1 code 7 = 6, code 1 | sign 8 = -0.5, low nibble first;
+    # the amax 6 * 448 maps to scale_2 = 2^0 and its block's e4m3 scale to 448
+    known = torch.zeros(2, 32)
+    known[0, :2] = torch.tensor([6.0 * 448, -0.5 * 448])
+    known[1, 16:18] = torch.tensor([3.0, -1.5])  # block scale 0.5: codes 6 and -3
+    q, s, s2 = nvfp4_quantize(known)
+    assert float(s2) == 1.0 and float(s[0, 0]) == 448 and int(q[0, 0]) == 7 | (9 << 4)
+    assert float(s[1, 1]) == 0.5 and int(q[1, 8]) == 7 | (0xD << 4)
+    assert torch.equal(dequantize_nvfp4(q[None], s[None], s2[None], torch.float32)[0], known)
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    q, s, s2 = nvfp4_quantize(w)
+    d = dequantize_nvfp4(q[None], s[None], s2[None], torch.float32)[0]
+    assert q.shape == (4, 32) and s.shape == (4, 4) and s2.shape == ()
+    assert ((d - w).abs() <= s.float().repeat_interleave(16, -1) * s2).all()  # half the widest gap
+    # [n, 2] scale_2: the first half of the rows (gate) by the first, the second (up) by the other
+    two = dequantize_nvfp4(q[None], s[None], torch.tensor([[1.0, 4.0]]), torch.float32)[0]
+    one = dequantize_nvfp4(q[None], s[None], torch.tensor([1.0]), torch.float32)[0]
+    assert torch.equal(two[:2], one[:2]) and torch.equal(two[2:], 4 * one[2:])
+
+
+@pytest.fixture(scope="session")
+def nvfp4_checkpoint(tiny_checkpoint, tiny_dir):
+    """dtype -> (NVFP4 qwen2_moe checkpoint, its dequantized twin), ``dtype`` elsewhere."""
+
+    def build(dtype="bfloat16"):
+        src = tiny_checkpoint("qwen2_moe", dtype=dtype, **FAMILY_SHAPES["qwen2_moe"])
+        out = tiny_dir / f"qwen2_moe-{dtype}-nvfp4"
+        return write_nvfp4(src, str(out), str(out) + "-twin")
+
+    return build
+
+
+def test_nvfp4_pool_rows_hold_the_checkpoint_codes_and_scales_and_dummy_values(
+        nvfp4_checkpoint):
+    path, _ = nvfp4_checkpoint()
+    r = run_check("pool_layout", path, freetoken_cache_ratio=0.5, dtype="bfloat16")
+    # gate, up and down of every expert, each its e2m1 codes, e4m3 block scales, scale_2 and
+    # input scale, bit for bit
+    assert r["checked"] == r["rows"] * 12
+    assert r["mismatches"] == []
+    assert r["params_are_views"] is True and r["expert_params_on_cpu"] is True
+    # --load-format dummy: float banks drawn as stock draws them, the codes left as created
+    r = run_check("dummy_values", path, freetoken_cache_ratio=0.5, dtype="bfloat16")
+    assert all(b["layers_equal_to_stock"] == [True] * r["layers"] for b in r["banks"].values())
+    assert [n for n, b in r["banks"].items() if not b["nonzero"]] == ["w13_weight", "w2_weight"]
+
+
+def test_nvfp4_matches_stock_on_the_dequantized_twin(nvfp4_checkpoint, tmp_path):
+    """Fill policy at 25%: a fill moves an expert's NVFP4 codes and all its scales (its slot
+    dequantized for SGLang's native MoE); prefill streams them."""
+    path, twin = nvfp4_checkpoint()
+    want, _, _ = serve_and_collect(twin, CHUNK + BF16, str(tmp_path / "stock.log"))
+    got, stats, log = serve_and_collect(
+        path, CHUNK + BF16 + CACHE_25 + POLICIES["fill"], str(tmp_path / "ft.log"))
+    assert "w13_weight_scale_2[2]:float32" in log and "float8_e4m3fn" in log
+    assert_same_tokens(got, want, "nvfp4 fill")
+    assert stats["total"]["fills"] > 0 and stats["prefill_stream"]["layer_calls"] > 0
+    assert stats["pool"]["expert_bytes"] == sum(
+        n * size for n, size in (
+            (3 * 32 * 64 // 2, 1),  # w13 [2I, H/2] and w2 [H, I/2] codes (I = 32, H = 64)
+            (3 * 32 * 64 // 16, 1),  # e4m3 scales per 16
+            (2 + 1 + 2 + 1, 4),  # fp32 scale_2 (gate, up; down) and input scales
+        )
+    )
+
+
+def test_nvfp4_on_the_cpu_executor(nvfp4_checkpoint, tmp_path):
+    """Every routed expert on the C executor, which dequantizes NVFP4 in its kernels: the
+    same tokens as the C executor on the twin's FP16 experts (as for FP8 above; SGLang
+    refuses FP32 activations with NVFP4)."""
+    path, twin = nvfp4_checkpoint("float16")
+    flags = CHUNK + ["--dtype", "float16", "--enable-freetoken", "--freetoken-backend", "cpu"]
+    want, _, _ = serve_and_collect(twin, flags, str(tmp_path / "dense.log"))
+    got, stats, log = serve_and_collect(path, flags, str(tmp_path / "nvfp4.log"))
+    assert "w13_weight_scale_2[2]:float32" in log
+    assert_same_tokens(got, want, "nvfp4 on the C executor")
     assert stats["total"]["cpu"] == stats["total"]["reads"] > 0

@@ -278,8 +278,75 @@ MXFP4 = ExpertFormat(
 )
 
 
+#: e2m1 values by code (bit 3 the sign), as MXFP4 and NVFP4 define them.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0,
+               -4.0, -6.0)
+
+
+# ---- NVFP4 (ModelOpt FP4: e2m1 pairs per byte, e4m3 scales per 16, fp32 scale_2) --------
+
+def _nvfp4_supports(base_method) -> Optional[str]:
+    cfg = base_method.quant_config
+    if getattr(cfg, "is_nvfp4_online", False) or not cfg.is_checkpoint_nvfp4_serialized:
+        return ("online NVFP4 quantization is not served; serve an NVFP4 checkpoint "
+                "(quant_algo NVFP4)")
+    if cfg.group_size != 16:
+        return f"NVFP4 with group_size {cfg.group_size} is not served; ModelOpt's is 16"
+    return None
+
+
+def _nvfp4_banks(base_method, layer, num_experts, hidden, inter, params_dtype, with_bias):
+    """ModelOptNvFp4FusedMoEMethod.create_weights' banks (no biases). The input scales are
+    banks too: the checkpoint has one per expert, and SGLang's W4A4 kernels read them (the C
+    executor and SGLang's Marlin W4A16 path do not)."""
+    shards = 2 if layer.moe_runner_config.is_gated else 1
+    f32, e4m3 = torch.float32, torch.float8_e4m3fn
+    return {
+        "w13_weight": BankSpec((shards * inter, hidden // 2), torch.uint8),
+        "w2_weight": BankSpec((hidden, inter // 2), torch.uint8),
+        "w13_weight_scale": BankSpec((shards * inter, hidden // 16), e4m3),
+        "w2_weight_scale": BankSpec((hidden, inter // 16), e4m3),
+        "w13_weight_scale_2": BankSpec((2,) if shards == 2 else (), f32),
+        "w2_weight_scale_2": BankSpec((), f32),
+        "w13_input_scale": BankSpec((shards,), f32),
+        "w2_input_scale": BankSpec((), f32),
+    }
+
+
+def dequantize_nvfp4(w: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """``w [n, R, C/2]`` uint8 (two e2m1 codes per byte, low nibble first) times ``scale
+    [n, R, C/16]`` float8_e4m3fn times ``scale_2`` fp32 (``[n]``, or ``[n, 2]``: the first
+    and second halves of the rows, gate and up), as ``[n, R, C]`` in ``dtype``: ModelOpt's
+    NVFP4 definition (SGLang 0.5.17 has no torch dequantizer for it)."""
+    n, r, _ = w.shape
+    codes = torch.stack((w & 0xF, w >> 4), dim=-1).flatten(-2).long()
+    vals = torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes]
+    vals *= scale.float().repeat_interleave(16, dim=-1)
+    s2 = scale_2.float().reshape(n, -1)
+    vals *= s2.repeat_interleave(r // s2.shape[1], dim=1)[..., None]
+    return vals.to(dtype)
+
+
+NVFP4 = ExpertFormat(
+    label="nvfp4",
+    method="sglang.srt.layers.quantization.modelopt_quant:ModelOptNvFp4FusedMoEMethod",
+    quantizations=("modelopt_fp4",),
+    supports=_nvfp4_supports,
+    banks=_nvfp4_banks,
+    triton=lambda base_method: None,  # no GPU slot kernels: --freetoken-backend cpu on a GPU
+    dequantize=lambda base_method, rows, dtype: (
+        dequantize_nvfp4(rows["w13_weight"], rows["w13_weight_scale"],
+                         rows["w13_weight_scale_2"], dtype),
+        dequantize_nvfp4(rows["w2_weight"], rows["w2_weight_scale"],
+                         rows["w2_weight_scale_2"], dtype),
+    ),
+    executor_kwargs=lambda base_method: {},
+)
+
+
 #: Every served format, by label.
-FORMATS: Dict[str, ExpertFormat] = {f.label: f for f in (UNQUANTIZED, FP8_BLOCK, MXFP4)}
+FORMATS: Dict[str, ExpertFormat] = {f.label: f for f in (UNQUANTIZED, FP8_BLOCK, MXFP4, NVFP4)}
 #: SGLang quantization names some format serves.
 QUANTIZATIONS = frozenset(q for f in FORMATS.values() for q in f.quantizations)
 
