@@ -8,6 +8,7 @@ if anywhere, and the CPU-executed expert count proves the host-function path ran
     python benchmarks/gpu_equality.py --family qwen3_moe --miss-policies fill,qstar,cpu \
         --bandwidth 55,90 --out results.json
     python benchmarks/gpu_equality.py --family deepseek_v3 --quant fp8_block  # FP8 experts
+    python benchmarks/gpu_equality.py --family qwen3_moe --quant nvfp4  # --freetoken-backend cpu
 """
 
 from __future__ import annotations
@@ -103,10 +104,12 @@ def main():
                          "(hybrid families: no semantic anchors), prefill_cpu (a CPU share "
                          "of 0.5 in streamed prefill); a comma list, lru,reserved,waves when "
                          "bare")
-    ap.add_argument("--quant", default="none", choices=["none", "fp8_block"],
+    ap.add_argument("--quant", default="none", choices=["none", "fp8_block", "nvfp4", "mxfp4"],
                     help="fp8_block: the routed experts quantized to FP8 with [128, 128] block "
-                         "scales (freetoken_sglang/tiny_quant.py); stock and FreeToken both "
-                         "serve that checkpoint")
+                         "scales; nvfp4 (ModelOpt FP4), mxfp4 (--family gpt_oss): FreeToken runs "
+                         "once, with --freetoken-backend cpu (no GPU slot kernels), in place of "
+                         "the miss policies (freetoken_sglang/tiny_quant.py); stock and "
+                         "FreeToken both serve that checkpoint")
     ap.add_argument("--common-args", default="{}",
                     help="JSON of extra sglang.Engine keywords for both stock and FreeToken, "
                          "e.g. '{\"moe_runner_backend\": \"triton\"}' (GPT-OSS)")
@@ -129,6 +132,11 @@ def main():
         from freetoken_sglang.tiny_quant import write_fp8_block
 
         path, _ = write_fp8_block(path, path + "-fp8", path + "-fp8-twin", block=(128, 128))
+    elif a.quant in ("nvfp4", "mxfp4"):
+        from freetoken_sglang import tiny_quant
+
+        write = tiny_quant.write_nvfp4 if a.quant == "nvfp4" else tiny_quant.write_mxfp4
+        path, _ = write(path, f"{path}-{a.quant}", f"{path}-{a.quant}-twin")
     policies = [p for p in a.miss_policies.split(",") if p]
     for p in policies:
         if p not in ("fill", "qstar", "cpu"):
@@ -137,6 +145,8 @@ def main():
     stock = run(path, a.new_tokens, {**common, **json.loads(a.stock_args)}, freetoken=False)
     results, full = [], {"stock": stock}
     runs = [(p, {}) for p in policies]
+    if a.quant in ("nvfp4", "mxfp4"):  # the GPU cache refuses FP4 experts
+        runs = [("backend-cpu", {"freetoken_backend": "cpu"})]
     checks = {"lru": {"freetoken_prefill": "lru"},
               "reserved": {"freetoken_prefill_buffers": "reserved"},
               "waves": {"freetoken_cache_slots": 12},
@@ -159,6 +169,8 @@ def main():
         }
         if "freetoken_cache_slots" in more:
             del ft_kwargs["freetoken_cache_ratio"]
+        if "freetoken_backend" in more:  # no cache, no miss policy
+            del ft_kwargs["freetoken_cache_ratio"], ft_kwargs["freetoken_miss_policy"]
         if a.bandwidth and policy == "qstar":
             ft_kwargs["freetoken_bandwidth"] = a.bandwidth
         ft = run(path, a.new_tokens, ft_kwargs)

@@ -145,6 +145,16 @@ SHAPES["qwen3-30b-a3b-fp8"] = {
                             "quant_method": "fp8", "weight_block_size": [128, 128]},
 }
 
+# Qwen3-30B-A3B with NVFP4 experts (ModelOpt FP4, quant_algo NVFP4; attention and router in
+# BF16): stock SGLang runs them on an H200 through its Marlin W4A16 fallback, FreeToken only
+# with --freetoken-backend cpu.
+SHAPES["qwen3-30b-a3b-nvfp4"] = {
+    **SHAPES["qwen3-30b-a3b"],
+    "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                            "ignore": ["lm_head", "model.layers.*.self_attn*",
+                                       "model.layers.*.mlp.gate"]},
+}
+
 # GPT-OSS-120B (config of openai/gpt-oss-120b): 36 layers alternating sliding (128) and full
 # attention, 128 experts, top-4, experts in MXFP4 (FreeToken serves them on a GPU with
 # --freetoken-backend cpu; pass --moe-runner-backend triton to FreeToken).
