@@ -75,7 +75,7 @@ def expert_pool_gib(model_path: str) -> float:
     from transformers import AutoConfig
 
     from freetoken_sglang import families
-    from freetoken_sglang.pool import GIB, bank_specs_for_layer
+    from freetoken_sglang.experts.pool import GIB, bank_specs_for_layer
 
     import torch
 

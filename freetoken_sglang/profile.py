@@ -19,7 +19,7 @@ import time
 import torch
 
 from freetoken_sglang import bandwidth, families
-from freetoken_sglang.pool import GIB, HostExpertPool, bank_specs_for_layer
+from freetoken_sglang.experts.pool import GIB, HostExpertPool, bank_specs_for_layer
 
 
 def scratch_pool(hf_config, pool_gb: float) -> HostExpertPool:

@@ -25,7 +25,7 @@ from freetoken_sglang.errors import RefusedError
 from freetoken_sglang.execute.choice import DECODE, EXTEND, ExecutorChoice, stream_min_rows
 from freetoken_sglang.miss_policy import SPLIT_MAX_TOKENS, MissPolicy
 from freetoken_sglang.observe.counters import ExpertCounters
-from freetoken_sglang.pool import GIB, BankSpec, HostExpertPool, pool_fits_host
+from freetoken_sglang.experts.pool import GIB, BankSpec, HostExpertPool, pool_fits_host
 
 logger = logging.getLogger(__name__)
 

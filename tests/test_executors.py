@@ -120,7 +120,7 @@ def _runtime(num_slots: int, buffers: int = 2, borrow: bool = False):
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
 
     from freetoken_sglang.cache.slots import ExpertCache
-    from freetoken_sglang.pool import HostExpertPool, bank_specs_for_layer
+    from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
 
     g = torch.Generator().manual_seed(0)
     pool = HostExpertPool(list(range(L)), E, bank_specs_for_layer(H, I, torch.float32))
@@ -373,7 +373,7 @@ def test_executor_token_cost_is_measured_once_and_cached(tmp_path):
     tokens per expert, positive on a real executor, and stored with the machine's profile."""
     from freetoken_sglang import bandwidth
     from freetoken_sglang.cpu.executor import CpuExpertExecutor
-    from freetoken_sglang.pool import HostExpertPool, bank_specs_for_layer
+    from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
 
     pool = HostExpertPool(list(range(2)), 16, bank_specs_for_layer(256, 128, torch.bfloat16))
     for bank in pool.banks.values():

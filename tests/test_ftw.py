@@ -22,7 +22,7 @@ from test_e2e_families import FAMILY_SHAPES, PROMPTS, greedy
 from test_startup import assert_clean_refusal
 
 from freetoken_sglang.experts import ftw
-from freetoken_sglang.pool import BankSpec, HostExpertPool
+from freetoken_sglang.experts.pool import BankSpec, HostExpertPool
 
 FAMILIES = ("qwen3_moe", "deepseek_v2")
 FT = ["--enable-freetoken", "--freetoken-cache-ratio", "0.25"]

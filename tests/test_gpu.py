@@ -67,7 +67,7 @@ def test_decide_on_cuda_matches_reference():
 
 def test_uva_fill_from_pinned_pool():
     from freetoken_sglang.cache.fills import Filler
-    from freetoken_sglang.pool import HostExpertPool, bank_specs_for_layer
+    from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
     from freetoken_sglang.cache.residency import FillPlan
 
     with torch.device("cuda"):  # as SGLang builds models: the pool stays on the host
@@ -105,7 +105,7 @@ def test_stream_copy_runs_are_async_on_the_copy_engine():
     import time
 
     from freetoken_sglang.cache.fills import copy_row_runs
-    from freetoken_sglang.pool import HostExpertPool, bank_specs_for_layer
+    from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
 
     pool = HostExpertPool([0, 1], 64, bank_specs_for_layer(2048, 768, torch.bfloat16))
     for bank in pool.banks.values():
@@ -225,7 +225,7 @@ def test_cpu_branch_host_function_in_a_cuda_graph():
     from a captured graph, with the same result as a direct call."""
     from freetoken_sglang.cpu.branch import CpuBranch
     from freetoken_sglang.cpu.executor import CpuExpertExecutor
-    from freetoken_sglang.pool import HostExpertPool, bank_specs_for_layer
+    from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
     from freetoken_sglang.cache.residency import CpuWork
 
     H, I, k = 256, 128, 2
@@ -269,7 +269,7 @@ def test_cpu_branch_doorbell_runs_only_with_cpu_items():
     ``add_`` rounds); a call without items is not served and leaves the output untouched."""
     from freetoken_sglang.cpu.branch import CpuBranch
     from freetoken_sglang.cpu.executor import CpuExpertExecutor
-    from freetoken_sglang.pool import HostExpertPool, bank_specs_for_layer
+    from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
     from freetoken_sglang.cache.residency import CpuWork
 
     H, I, k, T = 2048, 128, 2, 3

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken_sglang.pool import BankSpec, HostExpertPool, bank_specs_for_layer
+from freetoken_sglang.experts.pool import BankSpec, HostExpertPool, bank_specs_for_layer
 from inproc import run_check
 
 

@@ -18,7 +18,7 @@ from freetoken_sglang.config import FreeTokenConfig
 from freetoken_sglang.cache.fills import Filler
 from freetoken_sglang.cache.layout import RESIDENT, SlotLayout
 from freetoken_sglang.errors import RefusedError
-from freetoken_sglang.pool import GIB, HostExpertPool
+from freetoken_sglang.experts.pool import GIB, HostExpertPool
 from freetoken_sglang.cache.residency import ResidencyState
 
 logger = logging.getLogger(__name__)

@@ -93,7 +93,7 @@ class CpuBranch:
 
     def _start_doorbell(self, rows: int) -> None:
         from freetoken_sglang.cpu.executor import Doorbell
-        from freetoken_sglang.pool import HostExpertPool
+        from freetoken_sglang.experts.pool import HostExpertPool
 
         uva = HostExpertPool._uva_view
         # int64 words: ring [0] and done [8] on lines of their own; n_rows [16] and status

@@ -1,1 +1,1 @@
-"""The experts as the checkpoint stores them: per-quantization-method formats (``formats``)."""
+"""The experts as the checkpoint stores them: the host expert pool (``pool``), per-quantization-method formats (``formats``) and the FTW files (``ftw``)."""

@@ -15,7 +15,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from freetoken_sglang.pool import BankSpec, bank_specs_for_layer
+from freetoken_sglang.experts.pool import BankSpec, bank_specs_for_layer
 
 
 @dataclass(frozen=True)
