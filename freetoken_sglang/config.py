@@ -699,17 +699,13 @@ def apply_server_args_overrides(
     if kwargs.get("quantization"):
         from freetoken_sglang.experts.formats import QUANTIZATIONS
 
-        from freetoken_sglang.families import quantization_problem
-
-        named = quantization_problem({"quant_method": kwargs["quantization"],
-                                      "weight_block_size": [128, 128]})
-        if kwargs["quantization"] not in QUANTIZATIONS and named and "not served yet:" in named:
-            problems.append(f"--quantization {kwargs['quantization']}: {named}")
-        elif kwargs["quantization"] not in QUANTIZATIONS:
+        # "modelopt": SGLang resolves it from the checkpoint; the MoE layer checks what it is
+        if kwargs["quantization"] not in QUANTIZATIONS | {"modelopt"}:
             problems.append(
                 f"--quantization {kwargs['quantization']} is not served yet: FreeToken "
                 f"serves BF16, FP16 and FP32 experts and checkpoints quantized as "
-                f"{', '.join(sorted(QUANTIZATIONS))} (FP8 with block scales)"
+                f"{', '.join(sorted(QUANTIZATIONS))} (FP8 with block scales, MXFP4, ModelOpt "
+                "NVFP4); omit --quantization to serve the checkpoint's own"
             )
     if kwargs.get("cpu_offload_gb"):
         problems.append("--cpu-offload-gb cannot be combined with --enable-freetoken")

@@ -9,6 +9,9 @@ straight into the final host layout; its ``apply`` hands each layer call to one 
 
 from __future__ import annotations
 
+import functools
+import threading
+
 import torch
 
 from freetoken_sglang.execute.contract import LayerCall
@@ -61,7 +64,8 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
 
         SGLang's own method (``base_method``) creates them first on the meta device, so their
         names, shapes, dtypes and weight-loader attributes are exactly stock SGLang's; each
-        ``[E, ...]`` parameter becomes a pool bank (``experts/formats.py`` checks them).
+        ``[E, ...]`` parameter becomes a pool bank (``experts/formats.py`` checks them). The
+        weight loader runs with ``base_method`` as the layer's method (``_loading_as``).
 
         Raises:
             UnsupportedModelError: the format is not served in this configuration (e.g. a
@@ -80,6 +84,9 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         if reason:
             raise UnsupportedModelError(f"--enable-freetoken ({self.format.label} experts): {reason}")
         before = set(layer._parameters)
+        if extra_weight_attrs.get("weight_loader") is not None:
+            extra_weight_attrs["weight_loader"] = _loading_as(
+                layer, self.base_method, extra_weight_attrs["weight_loader"])
         try:
             with torch.device("meta"):
                 self._create_weights_original(
@@ -173,3 +180,33 @@ def _parameter_like(meta: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Pa
         param = cls.__new__(cls, data=data)
     param.__dict__.update(meta.__dict__)
     return param
+
+
+_loading = threading.Lock()  # SGLang's loader threads (e.g. DeepSeek's) share a layer's swap
+
+
+def _loading_as(layer: torch.nn.Module, base_method, loader):
+    """``loader`` (``FusedMoE.weight_loader``) run with ``base_method`` as the layer's
+    ``quant_method``: SGLang 0.5.17's ``FusedMoE._weight_loader_impl`` picks how a tensor
+    lands by that method's class (e.g. ModelOpt's per-tensor scales), so every bank loads as
+    in stock SGLang. While any load of the layer runs, ``layer.quant_method`` reads
+    ``base_method`` in every thread; loads run before serving (or, for a weight update,
+    between batches)."""
+
+    @functools.wraps(loader)
+    def weight_loader(*args, **kwargs):
+        with _loading:  # the first of the layer's concurrent loads puts base_method in front
+            users = layer.__dict__.get("_freetoken_loading", 0)
+            if users == 0:
+                layer.__dict__["quant_method"] = base_method  # found before nn.Module's _modules
+            layer.__dict__["_freetoken_loading"] = users + 1
+        try:
+            return loader(*args, **kwargs)
+        finally:
+            with _loading:
+                users = layer.__dict__["_freetoken_loading"] - 1
+                layer.__dict__["_freetoken_loading"] = users
+                if users == 0:
+                    del layer.__dict__["quant_method"]
+
+    return weight_loader

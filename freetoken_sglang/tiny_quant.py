@@ -221,17 +221,20 @@ def write_mxfp4(src: str, out: str, twin: str) -> Tuple[str, str]:
 E4M3_MAX = 448.0
 
 
-def nvfp4_quantize(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4_quantize(w: torch.Tensor, amax: Optional[float] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``w [R, C]`` (C % 16 == 0) as ModelOpt's NVFP4 checkpoints store a linear weight:
     uint8 ``weight [R, C/2]`` (two e2m1 codes per byte, the even column in the low nibble),
     float8_e4m3fn ``weight_scale [R, C/16]`` and fp32 ``weight_scale_2 []``, so that a value
     is ``e2m1 * weight_scale * weight_scale_2``. ``weight_scale_2`` is a power of two (the
     smallest that maps the tensor's amax to at most 6 * 448), so every dequantized value is
-    exact in BF16; magnitudes round to the nearest e2m1 value (ties to the larger).
-    ``experts.formats.dequantize_nvfp4`` gives the values back."""
+    exact in BF16; magnitudes round to the nearest e2m1 value (ties to the larger). ``amax``
+    (default ``w``'s) sets ``weight_scale_2``: one for the gate and up projections of an
+    expert, as SGLang's Marlin path expects. ``experts.formats.dequantize_nvfp4`` gives the
+    values back."""
     r, c = w.shape
     v = w.float().reshape(r, c // 16, 16)
-    amax = float(v.abs().max().clamp(min=1e-12))
+    amax = max(float(v.abs().max()) if amax is None else amax, 1e-12)
     scale_2 = torch.exp2(torch.ceil(torch.log2(torch.tensor(amax / (6.0 * E4M3_MAX)))))
     block = (v.abs().amax(dim=-1) / 6.0 / scale_2).clamp(max=E4M3_MAX)
     scale = block.to(torch.float8_e4m3fn)
@@ -253,7 +256,8 @@ def write_nvfp4(src: str, out: str, twin: str) -> Tuple[str, str]:
     (``weight`` uint8 ``[R, C/2]``, ``weight_scale`` float8_e4m3fn ``[R, C/16]``,
     ``weight_scale_2`` and ``input_scale`` fp32 scalars) with ``quantization_config``
     ``{"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": [every
-    other module]}``; in ``twin`` those weights are their dequantized values.
+    other module]}``; in ``twin`` those weights are their dequantized values. The gate and
+    up projections of an expert share one ``weight_scale_2`` and one ``input_scale``.
 
     Args:
         src: a tiny checkpoint (``tiny_models.build_tiny_checkpoint``), per-expert weights.
@@ -266,11 +270,18 @@ def write_nvfp4(src: str, out: str, twin: str) -> Tuple[str, str]:
         return out, twin
     quant, deq = {}, {}
     for k, t in tensors.items():
-        if EXPERT_WEIGHT.search(k):
-            q, s, s2 = nvfp4_quantize(t)
+        m = EXPERT_WEIGHT.search(k)
+        if m:
+            other = {"gate_proj": "up_proj", "up_proj": "gate_proj", "w1": "w3", "w3": "w1"}
+            pair = [t] + ([tensors[k.replace(m.group(1), other[m.group(1)])]]
+                          if m.group(1) in other else [])
+            q, s, s2 = nvfp4_quantize(t, amax=max(float(x.abs().max()) for x in pair))
             base = k[: -len("weight")]
+            # one input scale per expert input (gate and up share theirs), distinct per expert
+            e = int(re.search(r"\.experts\.(\d+)\.", k).group(1))
+            down = m.group(1) in ("down_proj", "w2")
             quant.update({k: q, base + "weight_scale": s, base + "weight_scale_2": s2,
-                          base + "input_scale": torch.tensor(1.0)})
+                          base + "input_scale": torch.tensor(0.5 + e / 64 + down / 4)})
             deq[k] = dequantize_nvfp4(q[None], s[None], s2[None], t.dtype)[0]
         else:
             quant[k] = deq[k] = t

@@ -7,22 +7,22 @@
 - ``create_weights`` of each format's SGLang method (around;
   ``UnquantizedFusedMoEMethod`` in ``sglang.srt.layers.quantization.unquant``,
   ``Fp8MoEMethod`` in ``sglang.srt.layers.quantization.fp8``, ``Mxfp4MoEMethod`` in
-  ``sglang.srt.layers.quantization.mxfp4``): for a layer marked above,
+  ``sglang.srt.layers.quantization.mxfp4``, ``ModelOptNvFp4FusedMoEMethod`` in
+  ``sglang.srt.layers.quantization.modelopt_quant``): for a layer marked above,
   installs ``FreeTokenMoEMethod`` as the layer's ``quant_method`` instead, so no expert weight
   is ever allocated on the GPU.
-- ``FusedMoE._weight_loader_impl`` (around, private): SGLang picks how to load a checkpoint
-  tensor by the class of the layer's method (e.g. ModelOpt's per-tensor scales); for a layer
-  FreeToken took over it sees the SGLang method it replaced, so every bank loads as stock.
 - ``ModelOptNvFp4FusedMoEMethod.__init__`` (around, ``sglang.srt.layers.quantization.
   modelopt_quant``): for a layer FreeToken serves, which never calls SGLang's NVFP4 kernels,
-  neither their platform check (Blackwell, or Marlin on SM80+) nor their swizzled scales.
+  neither their platform check (Blackwell, or Marlin on SM80+; when it refuses, the rest of
+  0.5.17's ``__init__`` is set here, its private ``_cache_permute_indices`` included) nor
+  their swizzled scales (``enable_flashinfer_trtllm_moe`` set, so ``create_weights`` skips
+  them).
 """
 
 from __future__ import annotations
 
 import contextvars
 import inspect
-import threading
 
 from freetoken_sglang.experts.formats import FORMATS, QUANTIZATIONS
 from freetoken_sglang.patches import Hook
@@ -82,36 +82,15 @@ def _take_over(fmt):
     return create_weights
 
 
-_loading = threading.Lock()  # loader threads (e.g. DeepSeek's) share a layer's swap
-
-
-def weight_loader_impl(original, self, *args, **kwargs):
-    from freetoken_sglang.moe_method import FreeTokenMoEMethod
-
-    method = self.__dict__.get("_modules", {}).get("quant_method")
-    if not isinstance(method, FreeTokenMoEMethod):
-        return original(self, *args, **kwargs)
-    with _loading:  # the first of the layer's concurrent loads puts the base method in front
-        users = self.__dict__.get("_freetoken_loading", 0)
-        if users == 0:
-            self.__dict__["quant_method"] = method.base_method  # found before _modules
-        self.__dict__["_freetoken_loading"] = users + 1
-    try:
-        return original(self, *args, **kwargs)
-    finally:
-        with _loading:
-            users = self.__dict__["_freetoken_loading"] - 1
-            self.__dict__["_freetoken_loading"] = users
-            if users == 0:
-                del self.__dict__["quant_method"]
-
-
 def nvfp4_method_init(original, self, quant_config, *args, **kwargs):
     if _building.get() is None:  # not a layer FreeToken serves
         return original(self, quant_config, *args, **kwargs)
     try:
         original(self, quant_config, *args, **kwargs)
-    except ValueError:  # the platform check; the rest of __init__ (0.5.17) follows
+    except ValueError as e:
+        if "does not support NVFP4" not in str(e):
+            raise
+        # the rest of 0.5.17's __init__ after its platform check (a private attribute)
         self.quant_config = quant_config
         self._cache_permute_indices = {}
     # Only create_weights runs, on the meta device: this flag makes it skip the swizzled
@@ -123,11 +102,6 @@ HOOKS = [
     Hook(
         "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.__init__",
         fused_moe_init,
-        "around",
-    ),
-    Hook(
-        "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE._weight_loader_impl",
-        weight_loader_impl,
         "around",
     ),
     Hook(

@@ -189,8 +189,9 @@ def test_server_args_overrides():
     assert kw["enable_mixed_chunk"] is True and "chunked_prefill_size" not in kw
     for ok in ("breakable", "disabled"):
         ft.apply_server_args_overrides({"cuda_graph_backend_prefill": ok, "device": "cpu"})
-    # FP8 with block scales is an expert format FreeToken serves (experts/formats.py).
-    ft.apply_server_args_overrides({"quantization": "fp8", "device": "cpu"})
+    # expert formats FreeToken serves (experts/formats.py); "modelopt" resolves by checkpoint
+    for served in ("fp8", "mxfp4", "modelopt_fp4", "modelopt"):
+        ft.apply_server_args_overrides({"quantization": served, "device": "cpu"})
     # Prefill through the LRU does not stream: any prefill graph backend is fine.
     lru = ft.pop_config({"enable_freetoken": True, "freetoken_prefill": "lru"})
     ft.apply_server_args_overrides({"cuda_graph_backend_prefill": "full", "device": "cpu"}, lru)
@@ -327,6 +328,17 @@ def test_fp4_formats_on_a_gpu_are_served_only_with_the_cpu_backend(device, backe
         nv_method.create_weights(layer, 8, 64, 32, torch.bfloat16)
     if refused:
         assert "(nvfp4 experts): the GPU expert cache has no kernels" in str(e.value)
+    # what SGLang's NVFP4 method may be asked for that FreeToken does not serve
+    nvfp4 = FORMATS["nvfp4"]
+    for cfg, needle in [
+        (dict(is_checkpoint_nvfp4_serialized=False, group_size=16), "online NVFP4"),
+        (dict(is_checkpoint_nvfp4_serialized=True, group_size=32), "group_size 32"),
+        (dict(is_checkpoint_nvfp4_serialized=True, group_size=16, is_awq=True), "NVFP4_AWQ"),
+    ]:
+        assert needle in nvfp4.supports(SimpleNamespace(quant_config=SimpleNamespace(**cfg)))
+    gated = SimpleNamespace(moe_runner_config=SimpleNamespace(is_gated=True))
+    with pytest.raises(UnsupportedModelError, match="has no expert biases"):
+        nvfp4.banks(nv, gated, 8, 64, 32, torch.bfloat16, True)
 
 
 @pytest.mark.parametrize("backend,policy,limits,fix", [

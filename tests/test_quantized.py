@@ -82,21 +82,6 @@ def test_fp8_block_matches_stock_on_the_dequantized_twin(fp8_checkpoint, family,
     )
 
 
-def test_fp8_block_on_the_cpu_executor(fp8_checkpoint, tmp_path):
-    """Every routed expert on the C executor (``--freetoken-backend cpu``), which dequantizes
-    FP8 in its kernels: the same tokens as the C executor on the twin's FP16 experts (the
-    dense path, itself token-identical to stock SGLang in fp32: test_e2e_families.py). Stock's
-    own FP16 MoE rounds every step to FP16 where the executor accumulates in fp32, so against
-    stock the tokens of these tiny random models part within a few steps."""
-    path, twin = fp8_checkpoint("qwen2_moe", "float16")
-    flags = CHUNK + ["--dtype", "float16", "--enable-freetoken", "--freetoken-backend", "cpu"]
-    want, _, _ = serve_and_collect(twin, flags, str(tmp_path / "dense.log"))
-    got, stats, log = serve_and_collect(path, flags, str(tmp_path / "fp8.log"))
-    assert "float8_e4m3fn" in log
-    assert_same_tokens(got, want, "fp8 on the C executor")
-    assert stats["total"]["cpu"] == stats["total"]["reads"] > 0
-
-
 def test_nvfp4_codes_round_trip():
     # by the format's definition: e2m1 code 7 = 6, code 1 | sign 8 = -0.5, low nibble first;
     # the amax 6 * 448 maps to scale_2 = 2^0 and its block's e4m3 scale to 448
@@ -164,14 +149,22 @@ def test_nvfp4_matches_stock_on_the_dequantized_twin(nvfp4_checkpoint, tmp_path)
     )
 
 
-def test_nvfp4_on_the_cpu_executor(nvfp4_checkpoint, tmp_path):
-    """Every routed expert on the C executor, which dequantizes NVFP4 in its kernels: the
-    same tokens as the C executor on the twin's FP16 experts (as for FP8 above; SGLang
+@pytest.mark.parametrize("fmt", ["fp8_block", "nvfp4"])
+def test_quantized_experts_on_the_cpu_executor(fmt, fp8_checkpoint, nvfp4_checkpoint,
+                                               tmp_path):
+    """Every routed expert on the C executor (``--freetoken-backend cpu``), which dequantizes
+    FP8 and NVFP4 in its kernels: the same tokens as the C executor on the twin's FP16 experts
+    (the dense path, itself token-identical to stock SGLang in fp32: test_e2e_families.py).
+    Stock's own FP16 MoE rounds every step to FP16 where the executor accumulates in fp32, so
+    against stock the tokens of these tiny random models part within a few steps (and SGLang
     refuses FP32 activations with NVFP4)."""
-    path, twin = nvfp4_checkpoint("float16")
+    if fmt == "fp8_block":
+        (path, twin), bank = fp8_checkpoint("qwen2_moe", "float16"), "w13_weight_scale_inv["
+    else:
+        (path, twin), bank = nvfp4_checkpoint("float16"), "w13_weight_scale_2[2]:float32"
     flags = CHUNK + ["--dtype", "float16", "--enable-freetoken", "--freetoken-backend", "cpu"]
     want, _, _ = serve_and_collect(twin, flags, str(tmp_path / "dense.log"))
-    got, stats, log = serve_and_collect(path, flags, str(tmp_path / "nvfp4.log"))
-    assert "w13_weight_scale_2[2]:float32" in log
-    assert_same_tokens(got, want, "nvfp4 on the C executor")
+    got, stats, log = serve_and_collect(path, flags, str(tmp_path / f"{fmt}.log"))
+    assert bank in log
+    assert_same_tokens(got, want, f"{fmt} on the C executor")
     assert stats["total"]["cpu"] == stats["total"]["reads"] > 0

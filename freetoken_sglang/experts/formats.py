@@ -109,6 +109,13 @@ class ExpertFormat:
         return want
 
 
+def _per_projection(dequantize: Callable, *banks: str) -> Callable:
+    """An entry's ``dequantize`` that applies ``dequantize(*bank rows, dtype)`` to the w13
+    banks, then the w2 banks, named ``w13_`` / ``w2_`` + each of ``banks``."""
+    return lambda base_method, rows, dtype: tuple(
+        dequantize(*(rows[f"{proj}_{b}"] for b in banks), dtype) for proj in ("w13", "w2"))
+
+
 # ---- unquantized (BF16 / FP16 / FP32 checkpoints) ------------------------------------------
 
 def _unquant_banks(base_method, layer, num_experts, hidden, inter, params_dtype, with_bias):
@@ -135,9 +142,7 @@ UNQUANTIZED = ExpertFormat(
     supports=_unquant_supports,
     banks=_unquant_banks,
     triton=lambda base_method: TritonQuant(),
-    dequantize=lambda base_method, rows, dtype: (
-        rows["w13_weight"].to(dtype), rows["w2_weight"].to(dtype)
-    ),
+    dequantize=_per_projection(lambda w, dtype: w.to(dtype), "weight"),
     executor_kwargs=lambda base_method: {},
 )
 
@@ -269,10 +274,7 @@ MXFP4 = ExpertFormat(
     supports=_mxfp4_supports,
     banks=_mxfp4_banks,
     triton=lambda base_method: None,  # no GPU slot kernels: --freetoken-backend cpu on a GPU
-    dequantize=lambda base_method, rows, dtype: (
-        dequantize_mxfp4(rows["w13_weight"], rows["w13_weight_scale"], dtype),
-        dequantize_mxfp4(rows["w2_weight"], rows["w2_weight_scale"], dtype),
-    ),
+    dequantize=_per_projection(dequantize_mxfp4, "weight", "weight_scale"),
     executor_kwargs=lambda base_method: {},
     initial_values=(("w13_weight_scale", 127), ("w2_weight_scale", 127)),  # _UE8M0_ONE
 )
@@ -292,6 +294,8 @@ def _nvfp4_supports(base_method) -> Optional[str]:
                 "(quant_algo NVFP4)")
     if cfg.group_size != 16:
         return f"NVFP4 with group_size {cfg.group_size} is not served; ModelOpt's is 16"
+    if getattr(cfg, "is_awq", False):
+        return "ModelOpt NVFP4_AWQ is not served yet; serve an NVFP4 checkpoint"
     return None
 
 
@@ -299,6 +303,12 @@ def _nvfp4_banks(base_method, layer, num_experts, hidden, inter, params_dtype, w
     """ModelOptNvFp4FusedMoEMethod.create_weights' banks (no biases). The input scales are
     banks too: the checkpoint has one per expert, and SGLang's W4A4 kernels read them (the C
     executor and SGLang's Marlin W4A16 path do not)."""
+    from freetoken_sglang.families import UnsupportedModelError
+
+    if with_bias:
+        raise UnsupportedModelError(
+            "--enable-freetoken (nvfp4 experts): SGLang's ModelOptNvFp4FusedMoEMethod has no "
+            "expert biases, and this model's experts have them; serve it in BF16 or MXFP4")
     shards = 2 if layer.moe_runner_config.is_gated else 1
     f32, e4m3 = torch.float32, torch.float8_e4m3fn
     return {
@@ -321,7 +331,7 @@ def dequantize_nvfp4(w: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor
     NVFP4 definition (SGLang 0.5.17 has no torch dequantizer for it)."""
     n, r, _ = w.shape
     codes = torch.stack((w & 0xF, w >> 4), dim=-1).flatten(-2).long()
-    vals = torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes]
+    vals = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)[codes]
     vals *= scale.float().repeat_interleave(16, dim=-1)
     s2 = scale_2.float().reshape(n, -1)
     vals *= s2.repeat_interleave(r // s2.shape[1], dim=1)[..., None]
@@ -335,12 +345,7 @@ NVFP4 = ExpertFormat(
     supports=_nvfp4_supports,
     banks=_nvfp4_banks,
     triton=lambda base_method: None,  # no GPU slot kernels: --freetoken-backend cpu on a GPU
-    dequantize=lambda base_method, rows, dtype: (
-        dequantize_nvfp4(rows["w13_weight"], rows["w13_weight_scale"],
-                         rows["w13_weight_scale_2"], dtype),
-        dequantize_nvfp4(rows["w2_weight"], rows["w2_weight_scale"],
-                         rows["w2_weight_scale_2"], dtype),
-    ),
+    dequantize=_per_projection(dequantize_nvfp4, "weight", "weight_scale", "weight_scale_2"),
     executor_kwargs=lambda base_method: {},
 )
 
