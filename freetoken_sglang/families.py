@@ -7,6 +7,8 @@ MoE layer is built. A model outside this table fails at start and names itself.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Dict, List, Optional
 
 from freetoken_sglang.errors import RefusedError
@@ -82,6 +84,11 @@ def text_config(hf_config):
     return get() if get is not None else hf_config
 
 
+def _quantization_config(hf_config):
+    return getattr(text_config(hf_config), "quantization_config", None) or getattr(
+        hf_config, "quantization_config", None)
+
+
 def family_of(hf_config) -> tuple:
     """(family name, MoE layer rule) of the checkpoint.
 
@@ -98,9 +105,7 @@ def family_of(hf_config) -> tuple:
             f"--enable-freetoken does not support the architecture {archs or '(none)'} "
             f"yet; supported: {', '.join(sorted(SUPPORTED))}"
         )
-    quant = getattr(text_config(hf_config), "quantization_config", None) or getattr(
-        hf_config, "quantization_config", None
-    )
+    quant = _quantization_config(hf_config)
     if quant:
         problem = quantization_problem(quant)
         if problem:
@@ -115,9 +120,10 @@ def quantization_problem(quant) -> Optional[str]:
     from freetoken_sglang.experts.formats import QUANTIZATIONS
 
     q = quant if isinstance(quant, dict) else getattr(quant, "to_dict", lambda: {})()
-    method = q.get("quant_method")
-    served = ", ".join(sorted(QUANTIZATIONS))
     algo = str(q.get("quant_algo") or "").upper()
+    # SGLang reads a config with quant_algo and no quant_method as ModelOpt's
+    method = q.get("quant_method") or ("modelopt" if algo else None)
+    served = ", ".join(sorted(QUANTIZATIONS))
     if method == "modelopt":  # ModelOpt's config.json; SGLang picks its method by quant_algo
         if algo != "NVFP4":
             return (f"ModelOpt {algo or 'quantization'} experts are not served yet (ModelOpt "
@@ -150,6 +156,14 @@ def check_model_path(model_path: str, trust_remote_code: bool = False, revision=
     except Exception:
         return
     family_of(hf_config)
+    # ModelOpt's legacy hf_quant_config.json, which SGLang reads when config.json has none
+    legacy = os.path.join(model_path, "hf_quant_config.json")
+    if not _quantization_config(hf_config) and os.path.isfile(legacy):
+        with open(legacy) as f:
+            quant = json.load(f).get("quantization") or {}
+        problem = quantization_problem({"quant_method": "modelopt", **quant})
+        if problem:
+            raise UnsupportedModelError(f"--enable-freetoken: {legacy}: {problem}")
 
 
 def moe_layer_ids(hf_config) -> List[int]:

@@ -44,8 +44,8 @@ def fused_moe_init(original, self, *args, **kwargs):
     if quant_config is not None and quant_config.get_name() not in QUANTIZATIONS:
         raise UnsupportedModelError(
             f"--enable-freetoken does not serve {quant_config.get_name()!r} MoE layers yet "
-            f"({rt.family}); served: unquantized (BF16, FP16, FP32) and "
-            f"{', '.join(sorted(QUANTIZATIONS))}"
+            f"({rt.family}); serve a checkpoint whose experts are unquantized (BF16, FP16, "
+            f"FP32) or {', '.join(sorted(QUANTIZATIONS))}"
         )
     token = _building.set(self)
     try:

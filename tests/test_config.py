@@ -275,6 +275,28 @@ def test_unserved_quantizations_name_why(quant, needle):
     assert quantization_problem({"quant_method": "mxfp4"}) is None
     assert quantization_problem({"quant_method": "modelopt", "quant_algo": "NVFP4"}) is None
     assert quantization_problem({"quant_method": "modelopt_fp4"}) is None
+    # quant_algo without quant_method is ModelOpt's, as SGLang reads it
+    assert quantization_problem({"quant_algo": "NVFP4", "group_size": 16}) is None
+    assert "ModelOpt FP8 experts" in quantization_problem({"quant_algo": "FP8"})
+
+
+def test_legacy_modelopt_config_is_checked_at_start(tmp_path):
+    """ModelOpt's hf_quant_config.json (read by SGLang when config.json has no
+    quantization_config) is checked with config.json, before any process starts."""
+    import json
+
+    from transformers import Qwen2MoeConfig
+
+    from freetoken_sglang.families import UnsupportedModelError, check_model_path
+
+    Qwen2MoeConfig(architectures=["Qwen2MoeForCausalLM"]).save_pretrained(tmp_path)
+    legacy = tmp_path / "hf_quant_config.json"
+    legacy.write_text(json.dumps({"quantization": {"quant_algo": "NVFP4", "group_size": 16}}))
+    check_model_path(str(tmp_path))
+    legacy.write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
+    with pytest.raises(UnsupportedModelError, match="hf_quant_config.json: ModelOpt FP8 experts "
+                       "are not served yet"):
+        check_model_path(str(tmp_path))
 
 
 @pytest.mark.parametrize("device,backend,refused", [
@@ -339,6 +361,8 @@ def test_fp4_formats_on_a_gpu_are_served_only_with_the_cpu_backend(device, backe
     gated = SimpleNamespace(moe_runner_config=SimpleNamespace(is_gated=True))
     with pytest.raises(UnsupportedModelError, match="has no expert biases"):
         nvfp4.banks(nv, gated, 8, 64, 32, torch.bfloat16, True)
+    with pytest.raises(UnsupportedModelError, match=r"\(H, I\) = \(64, 40\) are not multiples"):
+        nvfp4.banks(nv, gated, 8, 64, 40, torch.bfloat16, False)
 
 
 @pytest.mark.parametrize("backend,policy,limits,fix", [

@@ -309,6 +309,10 @@ def _nvfp4_banks(base_method, layer, num_experts, hidden, inter, params_dtype, w
         raise UnsupportedModelError(
             "--enable-freetoken (nvfp4 experts): SGLang's ModelOptNvFp4FusedMoEMethod has no "
             "expert biases, and this model's experts have them; serve it in BF16 or MXFP4")
+    if hidden % 16 or inter % 16:
+        raise UnsupportedModelError(
+            f"--enable-freetoken (nvfp4 experts): (H, I) = {(hidden, inter)} are not multiples "
+            "of NVFP4's 16-value scale blocks; serve this model in BF16 or FP8")
     shards = 2 if layer.moe_runner_config.is_gated else 1
     f32, e4m3 = torch.float32, torch.float8_e4m3fn
     return {
