@@ -265,7 +265,7 @@ def write_nvfp4(src: str, out: str, twin: str) -> Tuple[str, str]:
     Returns:
         ``(out, twin)``, rebuilt only when ``src`` changed.
     """
-    stamp, tensors = _stamp_and_tensors(src, out, twin, {"format": "nvfp4"})
+    stamp, tensors = _stamp_and_tensors(src, out, twin, {"format": "nvfp4", "shared": 1})
     if tensors is None:
         return out, twin
     quant, deq = {}, {}
@@ -273,7 +273,7 @@ def write_nvfp4(src: str, out: str, twin: str) -> Tuple[str, str]:
         m = EXPERT_WEIGHT.search(k)
         if m:
             other = {"gate_proj": "up_proj", "up_proj": "gate_proj", "w1": "w3", "w3": "w1"}
-            pair = [t] + ([tensors[k.replace(m.group(1), other[m.group(1)])]]
+            pair = [t] + ([tensors[k[:m.start(1)] + other[m.group(1)] + k[m.end(1):]]]
                           if m.group(1) in other else [])
             q, s, s2 = nvfp4_quantize(t, amax=max(float(x.abs().max()) for x in pair))
             base = k[: -len("weight")]
