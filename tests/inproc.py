@@ -81,19 +81,18 @@ def check_pool_layout(model_path: str, **kw) -> dict:
             if not m:
                 continue
             layer, expert, kind = int(m.group(1)), int(m.group(2)), _KIND[m.group(3)]
-            # bank suffix: FP8 block scales, NVFP4 block scales, per-tensor scales
-            suffix = {"weight": "_weight", "weight_scale_inv": "_weight_scale_inv",
-                      "weight_scale": "_weight_scale", "weight_scale_2": "_weight_scale_2",
-                      "input_scale": "_input_scale"}[m.group(4)]
+            suffix = "_" + m.group(4)  # weights, FP8/NVFP4 block scales, per-tensor scales
             want = f.get_tensor(key)
             row = pool.ordinal(layer) * E + expert
             w13, w2 = pool.banks["w13" + suffix], pool.banks["w2" + suffix]
-            half = w13.shape[1] // 2 if w13.dim() > 1 else None  # gate rows (or scales), up
             if kind == "down":
                 got = w2[row]
-            elif half is None or w13.dim() == 2:  # a per-tensor scale: [gate, up] per expert
-                got = w13[row] if half is None else w13[row, 0 if kind == "gate" else 1]
-            else:
+            elif w13.dim() == 1:  # one per-tensor scale per expert
+                got = w13[row]
+            elif w13.dim() == 2:  # per-tensor scales [gate, up] per expert
+                got = w13[row, int(kind == "up")]
+            else:  # gate rows (or scale-block rows), then up
+                half = w13.shape[1] // 2
                 got = w13[row, :half] if kind == "gate" else w13[row, half:]
             # bit for bit: the pool holds the checkpoint's own codes and scales
             if got.dtype != want.dtype or not torch.equal(
