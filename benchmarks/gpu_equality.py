@@ -8,11 +8,15 @@ if anywhere, and the CPU-executed expert count proves the host-function path ran
     python benchmarks/gpu_equality.py --family qwen3_moe --miss-policies fill,qstar,cpu \
         --bandwidth 55,90 --out results.json
     python benchmarks/gpu_equality.py --family deepseek_v3 --quant fp8_block  # FP8 experts
-    python benchmarks/gpu_equality.py --family qwen3_moe --quant nvfp4  # --freetoken-backend cpu
+    python benchmarks/gpu_equality.py --family qwen3_moe --quant nvfp4
+    python benchmarks/gpu_equality.py --family gpt_oss --quant mxfp4 \
+        --common-args '{"moe_runner_backend": "triton"}'
 
-With ``--quant nvfp4`` or ``mxfp4`` FreeToken runs once, with ``--freetoken-backend cpu`` (the
-GPU cache has no FP4 kernels): every expert on the C executor, so, as for qstar and cpu, the
-report shows where its tokens first differ from stock's, and no exit status depends on it.
+With ``--quant nvfp4`` or ``mxfp4`` the FP4 slots are dequantized per call for SGLang's
+Triton kernels (``execute/slot_moe.py``), and FreeToken also runs once with
+``--freetoken-backend cpu``. MXFP4's fill must equal stock's Triton runner (which dequantizes
+the experts at load); stock NVFP4 on Hopper runs Marlin's W4A16 kernel, so NVFP4 is reported
+like qstar and cpu, with no exit status depending on it.
 """
 
 from __future__ import annotations
@@ -110,10 +114,9 @@ def main():
                          "bare")
     ap.add_argument("--quant", default="none", choices=["none", "fp8_block", "nvfp4", "mxfp4"],
                     help="fp8_block: the routed experts quantized to FP8 with [128, 128] block "
-                         "scales; nvfp4 (ModelOpt FP4), mxfp4 (--family gpt_oss): FreeToken runs "
-                         "once, with --freetoken-backend cpu (no GPU slot kernels), in place of "
-                         "the miss policies (freetoken_sglang/tiny_quant.py); stock and "
-                         "FreeToken both serve that checkpoint")
+                         "scales; nvfp4 (ModelOpt FP4), mxfp4 (--family gpt_oss): also one run "
+                         "with --freetoken-backend cpu (freetoken_sglang/tiny_quant.py); stock "
+                         "and FreeToken both serve that checkpoint")
     ap.add_argument("--common-args", default="{}",
                     help="JSON of extra sglang.Engine keywords for both stock and FreeToken, "
                          "e.g. '{\"moe_runner_backend\": \"triton\"}' (GPT-OSS)")
@@ -121,10 +124,7 @@ def main():
                     help="JSON of extra sglang.Engine keywords for stock SGLang, e.g. "
                          "'{\"disable_shared_experts_fusion\": true}' (FreeToken sets it)")
     a = ap.parse_args()
-    if a.quant in ("nvfp4", "mxfp4"):  # FreeToken serves FP4 experts only on the C executor
-        for bad, why in ((a.miss_policies, "--miss-policies"), (a.prefill_checks, "--prefill-checks")):
-            if bad:
-                ap.error(f"{why} needs the GPU cache, which --quant {a.quant} cannot use")
+    if a.quant in ("nvfp4", "mxfp4"):
         if (a.family == "gpt_oss") != (a.quant == "mxfp4"):
             ap.error("--quant mxfp4 is GPT-OSS's format (--family gpt_oss); --quant nvfp4 "
                      "quantizes the per-expert checkpoints of the other families")
@@ -158,7 +158,7 @@ def main():
     results, full = [], {"stock": stock}
     runs = [(p, {}) for p in policies]
     if a.quant in ("nvfp4", "mxfp4"):  # reported, not required (as qstar's and cpu's)
-        runs = [("backend-cpu", {"freetoken_backend": "cpu"})]
+        runs.append(("backend-cpu", {"freetoken_backend": "cpu"}))
     checks = {"lru": {"freetoken_prefill": "lru"},
               "reserved": {"freetoken_prefill_buffers": "reserved"},
               "waves": {"freetoken_cache_slots": 12},
@@ -208,8 +208,10 @@ def main():
         with open(a.out, "w") as f:
             json.dump({"results": results, "runs": full}, f)
     # Waves sum their partial outputs (fp32, then the layer dtype): reported, not required.
+    # Stock NVFP4 on Hopper is Marlin's W4A16 kernel, FreeToken's the dequantized experts
+    # under SGLang's Triton kernels: reported, not required.
     bad = [r["miss_policy"] for r in results if r["miss_policy"] == "fill"
-           and "freetoken_cache_slots" not in r["extra"]
+           and a.quant != "nvfp4" and "freetoken_cache_slots" not in r["extra"]
            and "freetoken_prefill_cpu" not in r["extra"] and not all(r["identical"].values())]
     if bad:
         raise SystemExit("FreeToken's greedy tokens differ from stock SGLang's (fill policy)")

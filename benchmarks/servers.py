@@ -146,8 +146,8 @@ SHAPES["qwen3-30b-a3b-fp8"] = {
 }
 
 # Qwen3-30B-A3B with NVFP4 experts (ModelOpt FP4, quant_algo NVFP4; attention and router in
-# BF16): stock SGLang runs them on an H200 through its Marlin W4A16 fallback, FreeToken only
-# with --freetoken-backend cpu.
+# BF16): stock SGLang runs them on an H200 through its Marlin W4A16 fallback, FreeToken's GPU
+# cache by dequantizing the slots each call reads.
 SHAPES["qwen3-30b-a3b-nvfp4"] = {
     **SHAPES["qwen3-30b-a3b"],
     "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
@@ -156,8 +156,9 @@ SHAPES["qwen3-30b-a3b-nvfp4"] = {
 }
 
 # GPT-OSS-120B (config of openai/gpt-oss-120b): 36 layers alternating sliding (128) and full
-# attention, 128 experts, top-4, experts in MXFP4 (FreeToken serves them on a GPU with
-# --freetoken-backend cpu; pass --moe-runner-backend triton to FreeToken).
+# attention, 128 experts, top-4, experts in MXFP4 (stock on one H200 needs
+# --moe-runner-backend triton_kernel: its default upcasts the experts to BF16, 229 GB; pass
+# --moe-runner-backend triton to FreeToken).
 SHAPES["gpt-oss-120b"] = {
     "architectures": ["GptOssForCausalLM"],
     "model_type": "gpt_oss",

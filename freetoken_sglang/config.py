@@ -224,7 +224,7 @@ class FreeTokenConfig:
             type=_choice("gpu", "cpu"),
             help="gpu (default): the GPU expert cache; cpu: every routed expert runs on the CPU "
             "from pageable host memory, the rest of the model on the GPU (the way to serve "
-            "when the pool cannot be pinned, and MXFP4 or NVFP4 experts on a GPU).",
+            "when the pool cannot be pinned).",
         ),
     )
     cpu_threads: Optional[int] = field(

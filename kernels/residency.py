@@ -184,13 +184,16 @@ def _decide_kernel(
 
 
 @triton.jit
-def _remap_kernel(expert_ids_ptr, n, layer_slots_ptr, num_experts, BLOCK: tl.constexpr):
+def _remap_kernel(expert_ids_ptr, n, layer_slots_ptr, num_experts, KEEP_NEGATIVE: tl.constexpr,
+                  BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     x = tl.load(expert_ids_ptr + offs, mask=m, other=-1)
     ok = m & (x >= 0) & (x < num_experts)
     slot = tl.load(layer_slots_ptr + tl.where(ok, x, 0), mask=ok, other=0)
-    tl.store(expert_ids_ptr + offs, tl.maximum(slot, 0).to(x.dtype), mask=ok)
+    if not KEEP_NEGATIVE:
+        slot = tl.maximum(slot, 0)
+    tl.store(expert_ids_ptr + offs, slot.to(x.dtype), mask=ok)
 
 
 _Q_TABLES = {}
@@ -281,11 +284,15 @@ def decide_triton(
     return LayerDecision(plan, ids_out, work)
 
 
-def remap_expert_ids_(expert_ids: torch.Tensor, layer_slots: torch.Tensor) -> None:
+def remap_expert_ids_(expert_ids: torch.Tensor, layer_slots: torch.Tensor,
+                      keep_negative: bool = False) -> None:
     """Rewrite, in place, the per-block local expert ids of SGLang's token alignment into
-    slot ids (``layer_slots[e]``); negative ids (unused blocks) stay as they are."""
+    slot ids (``layer_slots[e]``); negative ids (unused blocks) stay as they are. A negative
+    ``layer_slots[e]`` becomes slot 0, or with ``keep_negative`` stays negative (the block
+    is then skipped by SGLang's kernels under ``filter_expert``)."""
     n = expert_ids.numel()
     block = 256
     _remap_kernel[(triton.cdiv(n, block),)](
-        expert_ids, n, layer_slots, layer_slots.numel(), BLOCK=block
+        expert_ids, n, layer_slots, layer_slots.numel(), KEEP_NEGATIVE=keep_negative,
+        BLOCK=block
     )

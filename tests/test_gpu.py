@@ -220,6 +220,76 @@ def test_moe_on_slots_is_bit_identical_to_stock(num_tokens, published_server_arg
     torch.testing.assert_close(partial, want_partial, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("label", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("num_tokens", [1, 3, 64])
+def test_fp4_slots_match_sglang_over_the_dequantized_experts(label, num_tokens, monkeypatch,
+                                                             published_server_args):
+    """FP4 slots (execute/slot_moe.py's dequantized path): the call's distinct experts are
+    dequantized from random slots and SGLang's unquantized Triton sequence runs over them.
+    One pass: bit-identical to SGLang's ``fused_experts`` over the dequantized layer; several
+    passes (a small pass budget): equal within bf16 rounding of the summed partials."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
+    from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    from freetoken_sglang.execute import slot_moe
+    from freetoken_sglang.experts.formats import FORMATS
+
+    torch.manual_seed(num_tokens)
+    fmt = FORMATS[label]
+    E, H, I, k, S = 16, 256, 128, 4, 40
+    u8 = lambda *shape: torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
+    if label == "mxfp4":  # GPT-OSS: biases, clamped SwiGLU, interleaved gate/up
+        banks = {"w13_weight": u8(E, 2 * I, H // 2),
+                 "w13_weight_scale": torch.randint(118, 124, (E, 2 * I, H // 32), dtype=torch.uint8, device="cuda"),
+                 "w13_weight_bias": torch.randn(E, 2 * I, device="cuda").to(torch.bfloat16),
+                 "w2_weight": u8(E, H, I // 2),
+                 "w2_weight_scale": torch.randint(118, 124, (E, H, I // 32), dtype=torch.uint8, device="cuda"),
+                 "w2_weight_bias": torch.randn(E, H, device="cuda").to(torch.bfloat16)}
+        extra = dict(gemm1_alpha=1.702, gemm1_clamp_limit=7.0)
+    else:
+        e4m3 = lambda *shape: (torch.rand(*shape, device="cuda") * 0.5 + 0.05).to(torch.float8_e4m3fn)
+        banks = {"w13_weight": u8(E, 2 * I, H // 2), "w2_weight": u8(E, H, I // 2),
+                 "w13_weight_scale": e4m3(E, 2 * I, H // 16), "w2_weight_scale": e4m3(E, H, I // 16),
+                 "w13_weight_scale_2": torch.rand(E, 2, device="cuda") * 0.1 + 0.01,
+                 "w2_weight_scale_2": torch.rand(E, device="cuda") * 0.1 + 0.01}
+        extra = dict(routed_scaling_factor=1.5)
+    w13, w2 = fmt.dequantize(None, banks, torch.bfloat16)
+    cfg = MoeRunnerConfig(
+        num_experts=E, num_local_experts=E, hidden_size=H, intermediate_size_per_partition=I,
+        top_k=k, params_dtype=torch.bfloat16, activation="silu", inplace=False, **extra)
+    x = torch.randn(num_tokens, H, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(num_tokens, E, device="cuda")
+    weights, ids = torch.topk(logits.softmax(-1), k)
+    ids = ids.to(torch.int32)
+    want = fused_experts(x.clone(), w13, w2, StandardTopKOutput(weights, ids, logits), cfg,
+                         b1=banks.get("w13_weight_bias"), b2=banks.get("w2_weight_bias"))
+    perm = torch.randperm(S, device="cuda")[:E].to(torch.int32)
+    slots = {}
+    for name, b in banks.items():
+        slots[name] = torch.zeros(S, *b.shape[1:], dtype=b.dtype, device="cuda")
+        slots[name][perm.long()] = b
+    method = SimpleNamespace(format=fmt, base_method=None, triton_quant=fmt.triton(None))
+    layer = SimpleNamespace(moe_runner_config=cfg, quant_method=method,
+                            w13_weight=banks["w13_weight"], w2_weight=banks["w2_weight"])
+    got = slot_moe.run_on_slots_triton(layer, x.clone(), weights, ids, perm, slots)
+    assert torch.equal(got, want)
+    monkeypatch.setattr(slot_moe, "DEQUANTIZED_PASS_BYTES", 3 * 3 * I * H * 2)  # 3 experts
+    got = slot_moe.run_on_slots_triton(layer, x.clone(), weights, ids, perm, slots)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    # Entries at -1 (served on the CPU) contribute nothing.
+    drop = torch.zeros_like(ids, dtype=torch.bool)
+    drop[:, 0] = True
+    partial = slot_moe.run_on_slots_triton(layer, x.clone(), weights, ids.masked_fill(drop, -1),
+                                           perm, slots, skip_negative_ids=True)
+    want_partial = fused_experts(
+        x.clone(), w13, w2, StandardTopKOutput(weights.masked_fill(drop, 0), ids, logits), cfg,
+        b1=banks.get("w13_weight_bias"), b2=banks.get("w2_weight_bias"))
+    torch.testing.assert_close(partial, want_partial, rtol=2e-2, atol=2e-2)
+
+
 def test_cpu_branch_host_function_in_a_cuda_graph():
     """The host-node CPU branch runs the C executor from a host-function node: eagerly and replayed
     from a captured graph, with the same result as a direct call."""

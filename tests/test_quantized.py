@@ -103,6 +103,53 @@ def test_nvfp4_codes_round_trip():
     assert torch.equal(two[:2], one[:2]) and torch.equal(two[2:], 4 * one[2:])
 
 
+def test_fp4_dequantizers_match_sglangs_and_a_call_dequantizes_its_distinct_experts():
+    """The GPU cache's FP4 path (execute/slot_moe.py): MXFP4 dequantized exactly as SGLang's
+    ``MXFP4QuantizeUtil`` does, the Triton kernel exactly as the definitions; the rows a call
+    dequantizes are its distinct experts."""
+    from sglang.srt.layers.quantization.mxfp4_tensor import MXFP4QuantizeUtil
+
+    from freetoken_sglang.execute.slot_moe import distinct_experts
+    from freetoken_sglang.experts.formats import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(0, 256, (2, 4, 32), dtype=torch.uint8, generator=g)
+    scale = torch.randint(115, 135, (2, 4, 2), dtype=torch.uint8, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = MXFP4QuantizeUtil.dequantize(quantized_data=w.reshape(2, 4, 2, 16), dtype=dtype,
+                                            scale=scale, block_sizes=[32]).reshape(2, 4, 64)
+        assert torch.equal(dequantize_mxfp4(w, scale, dtype), want)
+    # the GPU cache's kernel (kernels/fp4.py; here in Triton's interpreter): bit-identical
+    # to the definitions, from any slot rows, every output dtype
+    from freetoken_sglang.experts.formats import dequantize_nvfp4
+    from freetoken_sglang.kernels.fp4 import dequantize_fp4_rows
+
+    rows = torch.tensor([1, 0, 1])
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    e4m3 = e4m3[~torch.isnan(e4m3.float())]  # every finite e4m3 value may be a block scale
+    nv_scale = e4m3[torch.randint(0, e4m3.numel(), (2, 4, 4), generator=g)]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(dequantize_fp4_rows(w, scale, None, rows, dtype),
+                           dequantize_mxfp4(w[rows], scale[rows], dtype))
+        for s2 in (torch.tensor([0.3, 1.7]), torch.tensor([[0.3, 0.01], [1.7, 2.0]])):
+            assert torch.equal(dequantize_fp4_rows(w, nv_scale, s2, rows, dtype),
+                               dequantize_nvfp4(w[rows], nv_scale[rows], s2[rows], dtype))
+    ids = torch.tensor([[5, 3, -1], [3, 9, 0]])
+    experts, row_of = distinct_experts(ids, 12)
+    assert experts.tolist() == [0, 3, 5, 9, 0, 0]  # ascending, then expert 0 (unused rows)
+    assert row_of.tolist() == [0, -1, -1, 1, -1, 2, -1, -1, -1, 3, -1, -1]
+    experts, row_of = distinct_experts(ids, 4)  # T k >= E: every expert at its own row
+    assert experts.tolist() == [0, 1, 2, 3] and row_of.tolist() == [0, 1, 2, 3]
+    # a pass over rows [2, 4) of {1, 3, 5, 6}: its experts remapped, the others' blocks -1
+    from freetoken_sglang.kernels.residency import remap_expert_ids_
+
+    _, row_of = distinct_experts(torch.tensor([[1, 3], [5, 6]]), 8)
+    table = torch.where((row_of >= 2) & (row_of < 4), row_of - 2, -1).to(torch.int32)
+    blocks = torch.tensor([1, 3, 5, 6, -1], dtype=torch.int32)
+    remap_expert_ids_(blocks, table, keep_negative=True)
+    assert blocks.tolist() == [-1, -1, 0, 1, -1]
+
+
 @pytest.fixture(scope="session")
 def nvfp4_checkpoint(tiny_checkpoint, tiny_dir):
     """dtype -> (NVFP4 qwen2_moe checkpoint, its dequantized twin), ``dtype`` elsewhere."""

@@ -63,6 +63,9 @@ def run_on_slots_triton(
     tq = getattr(getattr(layer, "quant_method", None), "triton_quant", _UNQUANTIZED)
     if tq is None:  # a format without GPU slot kernels (refused at start; never reached)
         raise RuntimeError("FreeToken: no GPU slot kernels for this layer's expert format")
+    if tq.dequantized:
+        return _run_dequantized(layer, tq, hidden_states, topk_weights, routed_ids,
+                                layer_slots, slot_banks, skip_negative_ids, inplace)
     quant, scales = tq.kernel_kwargs(slot_banks)
     (
         config,
@@ -116,6 +119,116 @@ def run_on_slots_triton(
         swiglu_limit=cfg.swiglu_limit,
         gate_up_interleaved=cfg.gate_up_interleaved,
     )
+
+
+#: The most bytes of dequantized experts (activation dtype) one pass of a call holds: a call
+#: over more distinct experts (prefill-sized) runs in several passes over disjoint groups.
+DEQUANTIZED_PASS_BYTES = 512 << 20
+
+
+def distinct_experts(routed_ids: torch.Tensor, num_experts: int):
+    """The distinct experts of a call with static shapes (CUDA-graph safe).
+
+    Args:
+        routed_ids: int ``[T, k]`` local expert ids, -1 for entries served elsewhere.
+        num_experts: E, the layer's local experts.
+
+    Returns:
+        ``(experts, row_of)``: int64 ``[min(T k, E)]``, the distinct ids ascending, then
+        expert 0 repeated; int32 ``[E]``, each expert's index in ``experts``, -1 where the
+        call does not read it (every expert at its own index when ``T k >= E``).
+    """
+    dev = routed_ids.device
+    n = routed_ids.numel()
+    if n >= num_experts:
+        experts = torch.arange(num_experts, device=dev)
+        return experts, experts.to(torch.int32)
+    flat = routed_ids.reshape(-1).long()
+    ids = torch.sort(torch.where(flat >= 0, flat, num_experts)).values  # -1 sorts last as E
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[1:] = ids[1:] != ids[:-1]
+    first &= ids < num_experts
+    rank = torch.cumsum(first, 0) - 1
+    row_of = torch.full((num_experts + 1,), -1, dtype=torch.int32, device=dev)
+    row_of.scatter_(0, ids, rank.to(torch.int32))  # the sentinel's write lands in row E
+    experts = torch.zeros(n + 1, dtype=torch.long, device=dev)
+    experts.scatter_(0, torch.where(first, rank, n), ids)
+    return experts[:n], row_of[:num_experts]
+
+
+def _run_dequantized(layer, tq, hidden_states, topk_weights, routed_ids, layer_slots,
+                     slot_banks, skip_negative_ids, inplace):
+    """``run_on_slots_triton`` for a format SGLang's Triton kernels cannot read (FP4): the
+    distinct experts of the call are dequantized from their slots into ``hidden_states.dtype``
+    by the format's definition (``TritonQuant.dequantize_rows``: one Triton kernel per
+    projection, ``kernels/fp4.py``), and SGLang's
+    unquantized kernel sequence runs over them, the token alignment computed over the layer's
+    E ids as stock SGLang computes it and its block expert ids remapped to the dequantized
+    rows. Static shapes and no host sync (CUDA-graph safe): the call dequantizes
+    ``min(T k, E)`` rows, in passes of at most ``DEQUANTIZED_PASS_BYTES``; with one pass the
+    result is bit-identical to SGLang's kernels over the dequantized experts, with several the
+    passes' outputs (other groups' entries zero) are summed in fp32."""
+    from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import (
+        _fused_moe_kernel_sequence,
+        _prepare_fused_moe_run,
+    )
+
+    from freetoken_sglang.kernels.residency import remap_expert_ids_
+
+    cfg = layer.moe_runner_config
+    num_experts = layer.w13_weight.shape[0]
+    experts, row_of = distinct_experts(routed_ids, num_experts)
+    rows = experts.numel()
+    slot_rows = experts if layer_slots is None else layer_slots[experts].long().clamp_(min=0)
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size_per_partition
+    shards = 2 if cfg.is_gated else 1
+    per_expert = (shards + 1) * inter * hidden * hidden_states.element_size()
+    per_pass = max(1, min(rows, DEQUANTIZED_PASS_BYTES // per_expert))
+    passes = -(-rows // per_pass)
+    filter_expert = passes > 1 or skip_negative_ids or (
+        cfg.num_experts is None or cfg.num_experts != cfg.num_local_experts)
+    prepared = None
+    total = None
+    for p in range(passes):
+        lo, hi = p * per_pass, min(rows, (p + 1) * per_pass)
+        rows_p = slot_rows[lo:hi]
+        w13, w2 = tq.dequantize_rows(slot_banks, rows_p, hidden_states.dtype)
+        b1, b2 = (slot_banks[b][rows_p] if b in slot_banks else None
+                  for b in ("w13_weight_bias", "w2_weight_bias"))
+        if prepared is None:  # shapes only, as stock SGLang sees the dequantized layer
+            prepared = _prepare_fused_moe_run(
+                hidden_states,
+                torch.empty((num_experts, *w13.shape[1:]), dtype=w13.dtype, device="meta"),
+                torch.empty((num_experts, *w2.shape[1:]), dtype=w2.dtype, device="meta"),
+                routed_ids, use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
+                use_int4_w4a16=False, per_channel_quant=False, block_shape=None,
+            )
+        config, down_config, down_moe_use_tma, sorted_token_ids, expert_ids, post_padded = prepared
+        table = row_of if passes == 1 else torch.where(
+            (row_of >= lo) & (row_of < hi), row_of - lo, -1).to(torch.int32)
+        block_experts = expert_ids.clone()
+        remap_expert_ids_(block_experts, table, keep_negative=True)  # other passes' skipped
+        out = _fused_moe_kernel_sequence(
+            hidden_states, w13, w2, topk_weights, routed_ids, sorted_token_ids,
+            block_experts, post_padded, config, down_config, down_moe_use_tma,
+            b1=b1, b2=b2,
+            use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
+            use_int4_w4a16=False, per_channel_quant=False, w1_scale=None, w2_scale=None,
+            w1_zp=None, w2_zp=None, a1_scale=None, a2_scale=None, block_shape=None,
+            activation=cfg.activation, is_gated=cfg.is_gated, no_combine=cfg.no_combine,
+            inplace=(cfg.inplace if inplace is None else inplace) and passes == 1,
+            apply_router_weight_on_input=cfg.apply_router_weight_on_input,
+            routed_scaling_factor=cfg.routed_scaling_factor, gemm1_alpha=cfg.gemm1_alpha,
+            gemm1_limit=cfg.gemm1_clamp_limit, filter_expert=filter_expert, hooks=None,
+            swiglu_limit=cfg.swiglu_limit, gate_up_interleaved=cfg.gate_up_interleaved,
+        )
+        if passes == 1:
+            return out
+        total = out.float() if total is None else total.add_(out)
+    out = total.to(hidden_states.dtype)
+    if cfg.inplace if inplace is None else inplace:
+        return hidden_states.copy_(out)
+    return out
 
 
 def run_on_slots_native(

@@ -28,6 +28,15 @@ class TritonQuant:
     block_shape: Optional[Tuple[int, int]] = None
     w1_scale: Optional[str] = None
     w2_scale: Optional[str] = None
+    #: For a format SGLang's Triton kernels cannot read (MXFP4, NVFP4 on SGLang 0.5.17):
+    #: ``(slot_banks, rows [n], dtype) -> (w13 [n, R, H], w2 [n, H, I])``, the experts at
+    #: slot ``rows`` dequantized by the format's definition, which the unquantized kernels
+    #: then read (``execute/slot_moe.py``).
+    dequantize_rows: Optional[Callable] = None
+
+    @property
+    def dequantized(self) -> bool:
+        return self.dequantize_rows is not None
 
     def kernel_kwargs(self, slot_banks: Dict[str, torch.Tensor]) -> dict:
         """The kwargs both SGLang functions take, with the scales read from ``slot_banks``."""
@@ -58,9 +67,9 @@ class ExpertFormat:
         banks: ``(base_method, layer, num_experts, hidden, inter, params_dtype, with_bias) ->
             {bank name: BankSpec}``: the banks of one expert, as the SGLang method registers
             them (``[E, *spec.shape]`` parameters named as the banks).
-        triton: ``base_method -> TritonQuant``, or None where SGLang's MoE kernels cannot
-            run the format over GPU cache slots (on a GPU it is then served only with
-            ``--freetoken-backend cpu``).
+        triton: ``base_method -> TritonQuant``, or None where the format cannot run over
+            GPU cache slots (on a GPU it is then served only with ``--freetoken-backend
+            cpu``).
         dequantize: ``(base_method, {bank: rows [n, ...]}, dtype) -> (w13 [n, R, H],
             w2 [n, H, I])`` in ``dtype``, by the format's definition.
         executor_kwargs: ``base_method -> kwargs`` of ``CpuExpertExecutor`` for this format.
@@ -219,6 +228,44 @@ FP8_BLOCK = ExpertFormat(
 )
 
 
+def _fp4_rows(with_scale_2: bool) -> Callable:
+    """A ``TritonQuant.dequantize_rows`` for FP4 banks ``{w13,w2}_weight``,
+    ``_weight_scale`` (and ``_weight_scale_2``): the Triton kernel of ``kernels/fp4.py``."""
+
+    def rows(slot_banks, slot_rows, dtype):
+        from freetoken_sglang.kernels.fp4 import dequantize_fp4_rows
+
+        return tuple(
+            dequantize_fp4_rows(slot_banks[f"{p}_weight"], slot_banks[f"{p}_weight_scale"],
+                                slot_banks[f"{p}_weight_scale_2"] if with_scale_2 else None,
+                                slot_rows, dtype)
+            for p in ("w13", "w2"))
+
+    return rows
+
+
+#: e2m1 values by code (bit 3 the sign), as MXFP4 and NVFP4 define them.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0,
+               -4.0, -6.0)
+
+_E2M1_PAIRS: Dict[torch.device, torch.Tensor] = {}
+
+
+def e2m1_pairs(device) -> torch.Tensor:
+    """fp32 ``[256, 2]``: the two e2m1 values of a byte (low nibble first), on ``device``,
+    built once per device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    table = _E2M1_PAIRS.get(device)
+    if table is None:
+        v = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+        codes = torch.arange(256)
+        table = torch.stack((v[codes & 0xF], v[codes >> 4]), dim=-1).to(device)
+        _E2M1_PAIRS[device] = table
+    return table
+
+
 # ---- MXFP4 (GPT-OSS: e2m1 pairs per byte, e8m0 scales per 32, BF16 biases) ---------------
 
 def _mxfp4_supports(base_method) -> Optional[str]:
@@ -256,15 +303,13 @@ def _mxfp4_banks(base_method, layer, num_experts, hidden, inter, params_dtype, w
 
 def dequantize_mxfp4(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``w [n, R, C/2]`` uint8 (two e2m1 codes per byte, low nibble first) times ``2^(scale -
-    127)``, ``scale [n, R, C/32]`` uint8 e8m0, as ``[n, R, C]`` in ``dtype`` (SGLang's
-    ``MXFP4QuantizeUtil.dequantize``, ``layers/quantization/mxfp4_tensor.py``)."""
-    from sglang.srt.layers.quantization.mxfp4_tensor import MXFP4QuantizeUtil
-
+    127)``, ``scale [n, R, C/32]`` uint8 e8m0, as ``[n, R, C]`` in ``dtype``: the OCP MX
+    definition, as SGLang's ``MXFP4QuantizeUtil.dequantize`` computes it (fp32 products,
+    rounded once). The GPU cache's kernel for it is ``kernels/fp4.py``."""
     n, r, half = w.shape
-    blocks = w.reshape(n, r, half // 16, 16)
-    out = MXFP4QuantizeUtil.dequantize(quantized_data=blocks, dtype=dtype, scale=scale,
-                                       block_sizes=[32])
-    return out.reshape(n, r, 2 * half)
+    vals = e2m1_pairs(w.device)[w.int()].reshape(n, r, half // 16, 32)
+    vals *= torch.exp2(scale.float() - 127.0)[..., None]
+    return vals.reshape(n, r, 2 * half).to(dtype)
 
 
 MXFP4 = ExpertFormat(
@@ -273,16 +318,13 @@ MXFP4 = ExpertFormat(
     quantizations=("mxfp4",),
     supports=_mxfp4_supports,
     banks=_mxfp4_banks,
-    triton=lambda base_method: None,  # no GPU slot kernels: --freetoken-backend cpu on a GPU
+    triton=lambda base_method: TritonQuant(dequantize_rows=_fp4_rows(with_scale_2=False)),
     dequantize=_per_projection(dequantize_mxfp4, "weight", "weight_scale"),
     executor_kwargs=lambda base_method: {},
     initial_values=(("w13_weight_scale", 127), ("w2_weight_scale", 127)),  # _UE8M0_ONE
 )
 
 
-#: e2m1 values by code (bit 3 the sign), as MXFP4 and NVFP4 define them.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0,
-               -4.0, -6.0)
 
 
 # ---- NVFP4 (ModelOpt FP4: e2m1 pairs per byte, e4m3 scales per 16, fp32 scale_2) --------
@@ -332,14 +374,14 @@ def dequantize_nvfp4(w: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor
     """``w [n, R, C/2]`` uint8 (two e2m1 codes per byte, low nibble first) times ``scale
     [n, R, C/16]`` float8_e4m3fn times ``scale_2`` fp32 (``[n]``, or ``[n, 2]``: the first
     and second halves of the rows, gate and up), as ``[n, R, C]`` in ``dtype``: ModelOpt's
-    NVFP4 definition (SGLang 0.5.17 has no torch dequantizer for it)."""
-    n, r, _ = w.shape
-    codes = torch.stack((w & 0xF, w >> 4), dim=-1).flatten(-2).long()
-    vals = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)[codes]
-    vals *= scale.float().repeat_interleave(16, dim=-1)
+    NVFP4 definition in fp32 (SGLang 0.5.17 has no torch dequantizer for it). The GPU
+    cache's kernel for it is ``kernels/fp4.py``."""
+    n, r, half = w.shape
+    vals = e2m1_pairs(w.device)[w.int()].reshape(n, r, half // 8, 16)
+    vals *= scale.float()[..., None]
     s2 = scale_2.float().reshape(n, -1)
-    vals *= s2.repeat_interleave(r // s2.shape[1], dim=1)[..., None]
-    return vals.to(dtype)
+    vals *= s2.repeat_interleave(r // s2.shape[1], dim=1)[..., None, None]
+    return vals.reshape(n, r, 2 * half).to(dtype)
 
 
 NVFP4 = ExpertFormat(
@@ -348,7 +390,7 @@ NVFP4 = ExpertFormat(
     quantizations=("modelopt_fp4",),
     supports=_nvfp4_supports,
     banks=_nvfp4_banks,
-    triton=lambda base_method: None,  # no GPU slot kernels: --freetoken-backend cpu on a GPU
+    triton=lambda base_method: TritonQuant(dequantize_rows=_fp4_rows(with_scale_2=True)),
     dequantize=_per_projection(dequantize_nvfp4, "weight", "weight_scale", "weight_scale_2"),
     executor_kwargs=lambda base_method: {},
 )
