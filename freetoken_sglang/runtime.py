@@ -265,6 +265,11 @@ class FreeTokenRuntime:
                         torch.cuda.get_device_properties(self.device).total_memory / GIB
                     )
                 slack = int(before_gb * GIB * (1 - sa.mem_fraction_static))
+                method = self.layers[self.moe_layer_ids[0]]  # its FreeTokenMoEMethod
+                if method.triton_quant is not None and method.triton_quant.dequantized:
+                    from freetoken_sglang.execute.slot_moe import DEQUANTIZED_SCRATCH_BYTES
+
+                    slack += DEQUANTIZED_SCRATCH_BYTES  # FP4 calls' dequantized experts
                 self.slack_bytes = slack
             size = resolve_num_slots(
                 self.config, self.pool, self.top_k, reason, free_bytes, slack or 0

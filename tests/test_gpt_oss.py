@@ -13,8 +13,8 @@ the sliding window.
 MXFP4 (GPT-OSS's own checkpoint format): stock SGLang 0.5.17 cannot run it on the CPU engine
 (without AMX its MXFP4 path needs the ``triton_kernels`` package to upcast the weights), so
 FreeToken serving a tiny MXFP4 checkpoint is held to stock SGLang serving its dequantized twin
-(``tiny_quant.write_mxfp4``), in BF16. On a GPU FreeToken serves MXFP4 only with
-``--freetoken-backend cpu`` (the refusal is tested in test_config.py).
+(``tiny_quant.write_mxfp4``), in BF16. On a GPU the cache's slots are dequantized per
+call (``tests/test_gpu.py``, ``benchmarks/gpu_equality.py --quant mxfp4``).
 """
 
 from __future__ import annotations

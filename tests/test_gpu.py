@@ -1,6 +1,6 @@
 """GPU-only checks (skipped without CUDA): the device-side decision kernels against the torch
 reference, UVA fills from a pinned pool, and the MoE over slots against SGLang's own fused
-MoE on the same weights, bit for bit."""
+MoE on the same weights, bit for bit (FP4 slots run in several passes: within rounding)."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ import torch
 
 from freetoken_sglang.experts.formats import dequantize_nvfp4
 from freetoken_sglang.tiny_quant import nvfp4_quantize, write_fp8_block, write_nvfp4
+from conftest import needs_interpreter
 from inproc import run_check
 from test_e2e_families import CACHE_25, CHUNK, FAMILY_SHAPES, POLICIES, assert_same_tokens, serve_and_collect
 
@@ -103,6 +104,7 @@ def test_nvfp4_codes_round_trip():
     assert torch.equal(two[:2], one[:2]) and torch.equal(two[2:], 4 * one[2:])
 
 
+@needs_interpreter
 def test_fp4_dequantizers_match_sglangs_and_a_call_dequantizes_its_distinct_experts():
     """The GPU cache's FP4 path (execute/slot_moe.py): MXFP4 dequantized exactly as SGLang's
     ``MXFP4QuantizeUtil`` does, the Triton kernel exactly as the definitions; the rows a call
@@ -128,6 +130,8 @@ def test_fp4_dequantizers_match_sglangs_and_a_call_dequantizes_its_distinct_expe
     e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     e4m3 = e4m3[~torch.isnan(e4m3.float())]  # every finite e4m3 value may be a block scale
     nv_scale = e4m3[torch.randint(0, e4m3.numel(), (2, 4, 4), generator=g)]
+    out = dequantize_fp4_rows(w, scale, None, torch.tensor([1, -1]), torch.float32)
+    assert torch.equal(out[0], dequantize_mxfp4(w[1:], scale[1:], torch.float32)[0])
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert torch.equal(dequantize_fp4_rows(w, scale, None, rows, dtype),
                            dequantize_mxfp4(w[rows], scale[rows], dtype))
@@ -136,10 +140,10 @@ def test_fp4_dequantizers_match_sglangs_and_a_call_dequantizes_its_distinct_expe
                                dequantize_nvfp4(w[rows], nv_scale[rows], s2[rows], dtype))
     ids = torch.tensor([[5, 3, -1], [3, 9, 0]])
     experts, row_of = distinct_experts(ids, 12)
-    assert experts.tolist() == [0, 3, 5, 9, 0, 0]  # ascending, then expert 0 (unused rows)
+    assert experts.tolist() == [0, 3, 5, 9, -1, -1]  # ascending, then -1 (unused rows)
     assert row_of.tolist() == [0, -1, -1, 1, -1, 2, -1, -1, -1, 3, -1, -1]
-    experts, row_of = distinct_experts(ids, 4)  # T k >= E: every expert at its own row
-    assert experts.tolist() == [0, 1, 2, 3] and row_of.tolist() == [0, 1, 2, 3]
+    experts, row_of = distinct_experts(torch.tensor([[1, 1], [3, -1]]), 4)  # T k >= E
+    assert experts.tolist() == [1, 3, -1, -1] and row_of.tolist() == [-1, 0, -1, 1]
     # a pass over rows [2, 4) of {1, 3, 5, 6}: its experts remapped, the others' blocks -1
     from freetoken_sglang.kernels.residency import remap_expert_ids_
 

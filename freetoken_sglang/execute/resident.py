@@ -17,7 +17,8 @@ class ResidentExecutor:
     Nothing is decided, filled or remapped: on CUDA a layer call is SGLang's own Triton MoE
     run (``fused_experts_impl``'s sequence) over the ``[E, ...]`` views
     ``slot_banks[name][l*E:(l+1)*E]``, with the router's ids as they are, so its cost and
-    its output are stock SGLang's. Layer calls here go through no LRU, so the LRU counters
+    its output are stock SGLang's (FP4 formats: each call's experts dequantized first,
+    ``slot_moe._run_dequantized``). Layer calls here go through no LRU, so the LRU counters
     (reads, hits, ...) do not count them and no recency is recorded. On the CPU the same
     slots run through SGLang's native MoE (``slot_moe.run_on_slots_native``).
 

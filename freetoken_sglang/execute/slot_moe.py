@@ -6,8 +6,10 @@ On CUDA this is the Triton runner's sequence (``fused_experts_impl`` in SGLang 0
 E local expert ids, exactly as stock SGLang computes it (same blocks, same kernel config),
 and only the per-block expert ids are rewritten to slot ids before the two grouped GEMMs.
 On the CPU it is SGLang's ``moe_forward_native`` over the slot banks (quantized slots
-dequantized first by their format's definition, ``experts/formats.py``). Quantized formats
-pass their scales and flags to the same Triton kernels as stock SGLang's runner does.
+dequantized first by their format's definition, ``experts/formats.py``). FP8 passes its
+scales and flags to the same Triton kernels as stock SGLang's runner does; FP4 formats, which
+those kernels cannot read, have each call's experts dequantized first (``_run_dequantized``).
+SGLang private functions used: ``_prepare_fused_moe_run`` and ``_fused_moe_kernel_sequence``.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ def run_on_slots_triton(
         layer_slots: int32 ``[E]`` slot of each local expert.
         skip_negative_ids: some ids may be -1: SGLang's kernels then run with
             ``filter_expert`` (as under expert parallelism), giving those entries zero.
-        slot_banks: ``w13_weight [S, 2I, H]``, ``w2_weight [S, H, I]`` and optional biases.
+        slot_banks: ``w13_weight [S, 2I, H]``, ``w2_weight [S, H, I]`` and optional biases,
+            or the format's banks (FP8 codes and scales; FP4 packed codes ``[S, 2I, H/2]``
+            and scales, dequantized per call).
         inplace: overrides the runner config's ``inplace`` (False keeps ``hidden_states``
             intact, for executors that run one call in several passes).
 
@@ -122,8 +126,11 @@ def run_on_slots_triton(
 
 
 #: The most bytes of dequantized experts (activation dtype) one pass of a call holds: a call
-#: over more distinct experts (prefill-sized) runs in several passes over disjoint groups.
+#: over more distinct experts runs in several passes over disjoint groups (one expert at
+#: least per pass).
 DEQUANTIZED_PASS_BYTES = 512 << 20
+#: Device memory the cache sizing leaves free for them (a pass's experts and the partials).
+DEQUANTIZED_SCRATCH_BYTES = 2 * DEQUANTIZED_PASS_BYTES
 
 
 def distinct_experts(routed_ids: torch.Tensor, num_experts: int):
@@ -134,15 +141,12 @@ def distinct_experts(routed_ids: torch.Tensor, num_experts: int):
         num_experts: E, the layer's local experts.
 
     Returns:
-        ``(experts, row_of)``: int64 ``[min(T k, E)]``, the distinct ids ascending, then
-        expert 0 repeated; int32 ``[E]``, each expert's index in ``experts``, -1 where the
-        call does not read it (every expert at its own index when ``T k >= E``).
+        ``(experts, row_of)``: int64 ``[min(T k, E)]``, the distinct ids ascending, then -1;
+        int32 ``[E]``, each expert's index in ``experts``, -1 where the call does not read it.
     """
     dev = routed_ids.device
     n = routed_ids.numel()
-    if n >= num_experts:
-        experts = torch.arange(num_experts, device=dev)
-        return experts, experts.to(torch.int32)
+    rows = min(n, num_experts)
     flat = routed_ids.reshape(-1).long()
     ids = torch.sort(torch.where(flat >= 0, flat, num_experts)).values  # -1 sorts last as E
     first = torch.ones_like(ids, dtype=torch.bool)
@@ -151,9 +155,9 @@ def distinct_experts(routed_ids: torch.Tensor, num_experts: int):
     rank = torch.cumsum(first, 0) - 1
     row_of = torch.full((num_experts + 1,), -1, dtype=torch.int32, device=dev)
     row_of.scatter_(0, ids, rank.to(torch.int32))  # the sentinel's write lands in row E
-    experts = torch.zeros(n + 1, dtype=torch.long, device=dev)
-    experts.scatter_(0, torch.where(first, rank, n), ids)
-    return experts[:n], row_of[:num_experts]
+    experts = torch.full((rows + 1,), -1, dtype=torch.long, device=dev)
+    experts.scatter_(0, torch.where(first, rank, rows), ids)
+    return experts[:rows], row_of[:num_experts]
 
 
 def _run_dequantized(layer, tq, hidden_states, topk_weights, routed_ids, layer_slots,
@@ -161,13 +165,14 @@ def _run_dequantized(layer, tq, hidden_states, topk_weights, routed_ids, layer_s
     """``run_on_slots_triton`` for a format SGLang's Triton kernels cannot read (FP4): the
     distinct experts of the call are dequantized from their slots into ``hidden_states.dtype``
     by the format's definition (``TritonQuant.dequantize_rows``: one Triton kernel per
-    projection, ``kernels/fp4.py``), and SGLang's
-    unquantized kernel sequence runs over them, the token alignment computed over the layer's
-    E ids as stock SGLang computes it and its block expert ids remapped to the dequantized
-    rows. Static shapes and no host sync (CUDA-graph safe): the call dequantizes
-    ``min(T k, E)`` rows, in passes of at most ``DEQUANTIZED_PASS_BYTES``; with one pass the
-    result is bit-identical to SGLang's kernels over the dequantized experts, with several the
-    passes' outputs (other groups' entries zero) are summed in fp32."""
+    projection, ``kernels/fp4.py``), and SGLang's unquantized kernel sequence runs over them,
+    the token alignment computed over the layer's E ids as stock SGLang computes it and its
+    block expert ids remapped to the dequantized rows (the non-TMA down kernel). Static shapes
+    and no host sync (CUDA-graph safe): ``min(T k, E)`` rows, the unused ones left
+    unwritten, in passes of ``DEQUANTIZED_PASS_BYTES`` (at least one expert each). With one
+    pass the result is bit-identical to SGLang's kernels over the dequantized experts; with
+    several (GPT-OSS-120B's 49.8 MB experts: more than 10 distinct experts in a call) the
+    passes' outputs, other passes' entries zero, are summed in fp32 and rounded once."""
     from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import (
         _fused_moe_kernel_sequence,
         _prepare_fused_moe_run,
@@ -179,7 +184,8 @@ def _run_dequantized(layer, tq, hidden_states, topk_weights, routed_ids, layer_s
     num_experts = layer.w13_weight.shape[0]
     experts, row_of = distinct_experts(routed_ids, num_experts)
     rows = experts.numel()
-    slot_rows = experts if layer_slots is None else layer_slots[experts].long().clamp_(min=0)
+    slot_rows = experts if layer_slots is None else torch.where(
+        experts >= 0, layer_slots[experts.clamp(min=0)].long(), -1)
     hidden, inter = cfg.hidden_size, cfg.intermediate_size_per_partition
     shards = 2 if cfg.is_gated else 1
     per_expert = (shards + 1) * inter * hidden * hidden_states.element_size()
@@ -193,7 +199,7 @@ def _run_dequantized(layer, tq, hidden_states, topk_weights, routed_ids, layer_s
         lo, hi = p * per_pass, min(rows, (p + 1) * per_pass)
         rows_p = slot_rows[lo:hi]
         w13, w2 = tq.dequantize_rows(slot_banks, rows_p, hidden_states.dtype)
-        b1, b2 = (slot_banks[b][rows_p] if b in slot_banks else None
+        b1, b2 = (slot_banks[b][rows_p.clamp(min=0)] if b in slot_banks else None
                   for b in ("w13_weight_bias", "w2_weight_bias"))
         if prepared is None:  # shapes only, as stock SGLang sees the dequantized layer
             prepared = _prepare_fused_moe_run(
@@ -203,14 +209,15 @@ def _run_dequantized(layer, tq, hidden_states, topk_weights, routed_ids, layer_s
                 routed_ids, use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
                 use_int4_w4a16=False, per_channel_quant=False, block_shape=None,
             )
-        config, down_config, down_moe_use_tma, sorted_token_ids, expert_ids, post_padded = prepared
+        # not the TMA down kernel: it sizes and caches its buffers by the per-call scratch
+        config, down_config, _, sorted_token_ids, expert_ids, post_padded = prepared
         table = row_of if passes == 1 else torch.where(
             (row_of >= lo) & (row_of < hi), row_of - lo, -1).to(torch.int32)
         block_experts = expert_ids.clone()
         remap_expert_ids_(block_experts, table, keep_negative=True)  # other passes' skipped
         out = _fused_moe_kernel_sequence(
             hidden_states, w13, w2, topk_weights, routed_ids, sorted_token_ids,
-            block_experts, post_padded, config, down_config, down_moe_use_tma,
+            block_experts, post_padded, config, down_config, False,
             b1=b1, b2=b2,
             use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
             use_int4_w4a16=False, per_channel_quant=False, w1_scale=None, w2_scale=None,
@@ -225,6 +232,7 @@ def _run_dequantized(layer, tq, hidden_states, topk_weights, routed_ids, layer_s
         if passes == 1:
             return out
         total = out.float() if total is None else total.add_(out)
+        del w13, w2, b1, b2, out  # before the next pass dequantizes its experts
     out = total.to(hidden_states.dtype)
     if cfg.inplace if inplace is None else inplace:
         return hidden_states.copy_(out)

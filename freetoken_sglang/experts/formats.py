@@ -325,8 +325,6 @@ MXFP4 = ExpertFormat(
 )
 
 
-
-
 # ---- NVFP4 (ModelOpt FP4: e2m1 pairs per byte, e4m3 scales per 16, fp32 scale_2) --------
 
 def _nvfp4_supports(base_method) -> Optional[str]:
