@@ -15,8 +15,9 @@ if anywhere, and the CPU-executed expert count proves the host-function path ran
 With ``--quant nvfp4`` or ``mxfp4`` the FP4 slots are dequantized per call for SGLang's
 Triton kernels (``execute/slot_moe.py``), and FreeToken also runs once with
 ``--freetoken-backend cpu``. MXFP4's fill must equal stock's Triton runner (which dequantizes
-the experts at load); stock NVFP4 on Hopper runs Marlin's W4A16 kernel, so NVFP4 is reported
-like qstar and cpu, with no exit status depending on it.
+the experts at load). Stock NVFP4 on Hopper runs Marlin's W4A16 kernel, so for NVFP4 stock
+serves the checkpoint's BF16 twin (its experts dequantized, exact in BF16), which FreeToken's
+fill on the NVFP4 checkpoint must equal.
 """
 
 from __future__ import annotations
@@ -148,13 +149,16 @@ def main():
         from freetoken_sglang import tiny_quant
 
         write = tiny_quant.write_nvfp4 if a.quant == "nvfp4" else tiny_quant.write_mxfp4
-        path, _ = write(path, f"{path}-{a.quant}", f"{path}-{a.quant}-twin")
+        path, twin = write(path, f"{path}-{a.quant}", f"{path}-{a.quant}-twin")
     policies = [p for p in a.miss_policies.split(",") if p]
     for p in policies:
         if p not in ("fill", "qstar", "cpu"):
             raise SystemExit(f"--miss-policies: unknown policy {p!r} (choose from fill, qstar, cpu)")
     common = json.loads(a.common_args)
-    stock = run(path, a.new_tokens, {**common, **json.loads(a.stock_args)}, freetoken=False)
+    # Stock NVFP4 on Hopper is Marlin's W4A16 kernel, not SGLang's Triton MoE: stock serves
+    # the BF16 twin (the dequantized experts, exact) instead, which FreeToken must equal.
+    stock_path = twin if a.quant == "nvfp4" else path
+    stock = run(stock_path, a.new_tokens, {**common, **json.loads(a.stock_args)}, freetoken=False)
     results, full = [], {"stock": stock}
     runs = [(p, {}) for p in policies]
     if a.quant in ("nvfp4", "mxfp4"):  # reported, not required (as qstar's and cpu's)
@@ -208,10 +212,8 @@ def main():
         with open(a.out, "w") as f:
             json.dump({"results": results, "runs": full}, f)
     # Waves sum their partial outputs (fp32, then the layer dtype): reported, not required.
-    # Stock NVFP4 on Hopper is Marlin's W4A16 kernel, FreeToken's the dequantized experts
-    # under SGLang's Triton kernels: reported, not required.
     bad = [r["miss_policy"] for r in results if r["miss_policy"] == "fill"
-           and a.quant != "nvfp4" and "freetoken_cache_slots" not in r["extra"]
+           and "freetoken_cache_slots" not in r["extra"]
            and "freetoken_prefill_cpu" not in r["extra"] and not all(r["identical"].values())]
     if bad:
         raise SystemExit("FreeToken's greedy tokens differ from stock SGLang's (fill policy)")
