@@ -290,6 +290,61 @@ def test_fp4_slots_match_sglang_over_the_dequantized_experts(label, num_tokens, 
     torch.testing.assert_close(partial, want_partial, rtol=2e-2, atol=2e-2)
 
 
+def test_fp4_slots_in_a_cuda_graph(published_server_args):
+    """The FP4 path captured in a CUDA graph (as decode graphs capture it) and replayed with
+    other routed ids, -1 entries and unread experts whose slot is -1: equal to the eager call
+    on the same inputs."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
+
+    from freetoken_sglang.execute import slot_moe
+    from freetoken_sglang.experts.formats import FORMATS
+
+    torch.manual_seed(0)
+    fmt = FORMATS["nvfp4"]
+    E, H, I, k, S, T = 16, 256, 128, 4, 24, 3
+    u8 = lambda *shape: torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
+    e4m3 = lambda *shape: (torch.rand(*shape, device="cuda") * 0.5 + 0.05).to(torch.float8_e4m3fn)
+    slots = {"w13_weight": u8(S, 2 * I, H // 2), "w2_weight": u8(S, H, I // 2),
+             "w13_weight_scale": e4m3(S, 2 * I, H // 16), "w2_weight_scale": e4m3(S, H, I // 16),
+             "w13_weight_scale_2": torch.rand(S, 2, device="cuda") * 0.1 + 0.01,
+             "w2_weight_scale_2": torch.rand(S, device="cuda") * 0.1 + 0.01}
+    cfg = MoeRunnerConfig(
+        num_experts=E, num_local_experts=E, hidden_size=H, intermediate_size_per_partition=I,
+        top_k=k, params_dtype=torch.bfloat16, activation="silu", inplace=False)
+    layer = SimpleNamespace(
+        moe_runner_config=cfg, w13_weight=torch.empty(E, 2 * I, H // 2, dtype=torch.uint8),
+        w2_weight=torch.empty(E, H, I // 2, dtype=torch.uint8),
+        quant_method=SimpleNamespace(format=fmt, base_method=None, triton_quant=fmt.triton(None)))
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    weights = torch.rand(T, k, device="cuda")
+    ids = torch.zeros(T, k, dtype=torch.int32, device="cuda")
+    layer_slots = torch.full((E,), -1, dtype=torch.int32, device="cuda")
+
+    def route(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        ids.copy_(torch.randperm(E, generator=g, device="cuda")[:T * k].view(T, k))
+        ids[0, 0] = -1  # served elsewhere
+        layer_slots.fill_(-1)
+        used = ids[ids >= 0].long()
+        layer_slots[used] = torch.randperm(S, generator=g, device="cuda")[:used.numel()].int()
+
+    def call():
+        return slot_moe.run_on_slots_triton(layer, x, weights, ids, layer_slots, slots,
+                                            skip_negative_ids=True, inplace=False)
+
+    route(1)
+    call()  # compile the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for seed in (2, 3, 4):
+        route(seed)
+        graph.replay()
+        assert torch.equal(out, call())
+
+
 def test_cpu_branch_host_function_in_a_cuda_graph():
     """The host-node CPU branch runs the C executor from a host-function node: eagerly and replayed
     from a captured graph, with the same result as a direct call."""
