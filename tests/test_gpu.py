@@ -276,8 +276,15 @@ def test_fp4_slots_match_sglang_over_the_dequantized_experts(label, num_tokens, 
                             w13_weight=banks["w13_weight"], w2_weight=banks["w2_weight"])
     got = slot_moe.run_on_slots_triton(layer, x.clone(), weights, ids, perm, slots)
     assert torch.equal(got, want)
+    xi = x.clone()  # in place: the result is written into the activations
+    got = slot_moe.run_on_slots_triton(layer, xi, weights, ids, perm, slots, inplace=True)
+    assert got.data_ptr() == xi.data_ptr() and torch.equal(got, want)
     monkeypatch.setattr(slot_moe, "DEQUANTIZED_PASS_BYTES", 3 * 3 * I * H * 2)  # 3 experts
     got = slot_moe.run_on_slots_triton(layer, x.clone(), weights, ids, perm, slots)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    xi = x.clone()
+    got = slot_moe.run_on_slots_triton(layer, xi, weights, ids, perm, slots, inplace=True)
+    assert got.data_ptr() == xi.data_ptr()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     # Entries at -1 (served on the CPU) contribute nothing.
     drop = torch.zeros_like(ids, dtype=torch.bool)
