@@ -303,13 +303,16 @@ def _mxfp4_banks(base_method, layer, num_experts, hidden, inter, params_dtype, w
 
 def dequantize_mxfp4(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``w [n, R, C/2]`` uint8 (two e2m1 codes per byte, low nibble first) times ``2^(scale -
-    127)``, ``scale [n, R, C/32]`` uint8 e8m0, as ``[n, R, C]`` in ``dtype``: the OCP MX
-    definition, as SGLang's ``MXFP4QuantizeUtil.dequantize`` computes it (fp32 products,
-    rounded once). The GPU cache's kernel for it is ``kernels/fp4.py``."""
+    127)``, ``scale [n, R, C/32]`` uint8 e8m0, as ``[n, R, C]`` in ``dtype`` (SGLang's
+    ``MXFP4QuantizeUtil.dequantize``, ``layers/quantization/mxfp4_tensor.py``). The GPU
+    cache's kernel for it is ``kernels/fp4.py``."""
+    from sglang.srt.layers.quantization.mxfp4_tensor import MXFP4QuantizeUtil
+
     n, r, half = w.shape
-    vals = e2m1_pairs(w.device)[w.int()].reshape(n, r, half // 16, 32)
-    vals *= torch.exp2(scale.float() - 127.0)[..., None]
-    return vals.reshape(n, r, 2 * half).to(dtype)
+    blocks = w.reshape(n, r, half // 16, 16)
+    out = MXFP4QuantizeUtil.dequantize(quantized_data=blocks, dtype=dtype, scale=scale,
+                                       block_sizes=[32])
+    return out.reshape(n, r, 2 * half)
 
 
 MXFP4 = ExpertFormat(
