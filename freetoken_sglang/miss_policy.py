@@ -22,12 +22,14 @@ The re-miss rule (``--freetoken-fill-reused on``, off by default; beyond the pap
 an expert the CPU served is not in the cache, so when its routing repeats it misses again,
 and Eq. 4 weighs one call only. A miss is *reused* when its last use is more recent than the
 least recently used slot's: had it been filled then, it would still be resident, so it is
-filled now, and q* splits the other misses. Each expert then runs on the CPU at most once per
-stay within the cache's LRU age. The threshold is the cache's own LRU age, not a tuned
-constant (``cache/residency.py``). Off by default: on the H200 it narrowed q*'s loss to fill
-at high hit rates on dummy routing but lost to the paper's split in every trained-routing cell
-(benchmarks/RESULTS.md, Session 18). The q* split of the other misses does not count the
-forced fills' PCIe time, so it leans towards filling when some misses are reused.
+filled now. Each expert then runs on the CPU at most once per stay within the cache's LRU age.
+The threshold is the cache's own LRU age, not a tuned constant (``cache/residency.py``). The
+forced fills take their PCIe time out of Eq. 4's balance: of m misses with f reused,
+``max(f, q*(m))`` are filled, the reused ones first, and the lone-miss rule weighs the CPU
+experts left. Off by default: on the H200 (Session 18 of benchmarks/RESULTS.md, when the split
+of the other misses did not count the forced fills and so filled up to ``f + q*(m - f)``) it
+narrowed q*'s loss to fill at high hit rates on dummy routing but lost to the paper's split in
+every trained-routing cell; this form is not measured yet.
 
 The admission rule (``--freetoken-admission reuse``, beyond the paper): under thrash, LRU fills
 experts that are evicted before their next use. A miss is fillable only if its last use is

@@ -24,7 +24,7 @@ from freetoken_sglang.cache.residency import (
     LayerDecision,
     MissSplit,
     ResidencyState,
-    fill_count,
+    fill_count_after,
     max_unique_experts,
 )
 
@@ -64,7 +64,7 @@ def _decide_kernel(
     counters_ptr,  # int64 [5, L]
     ordinal,
     num_layers,
-    q_table_ptr,  # int32 [E+1]: fills of a call with m misses (``fill_count``)
+    q_table_ptr,  # int32 [(E+1)*(E+1)] or [E+1]: fills among r other misses after f forced
     weight_scale,
     E_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -119,9 +119,10 @@ def _decide_kernel(
         eligible = rest & reused
     else:
         eligible = rest
-    # q of the split (rounding and the lone-miss rule), computed once on the host in double
-    # precision (``fill_count``): the kernel's own float scalars would be fp32.
-    q_rest = tl.load(q_table_ptr + tl.sum(rest.to(tl.int32), axis=0))
+    # q of the split (rounding and the lone-miss rule, forced fills counted), computed once on
+    # the host in double precision (``fill_count_after``): the kernel's float scalars are fp32.
+    n_forced = tl.sum(forced.to(tl.int32), axis=0)
+    q_rest = tl.load(q_table_ptr + n_forced * (num_experts + 1) + tl.sum(rest.to(tl.int32), axis=0))
     q_rest = tl.minimum(q_rest, tl.sum(eligible.to(tl.int32), axis=0))
     erank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
     fillm = forced | (eligible & (erank < q_rest))
@@ -200,19 +201,24 @@ _Q_TABLES = {}
 
 
 def q_table(split: MissSplit, num_experts: int, device) -> torch.Tensor:
-    """int32 ``[E+1]`` on ``device``: entry m is ``fill_count(m, split)``, the fills of a layer
-    call with m misses. Built once per (split, E, device) and kept (captured graphs hold its
-    address); the runtime builds its splits' tables before any graph is captured."""
+    """int32 on ``device``: entry ``f * (E+1) + r`` is ``fill_count_after(f, r, split)``, the
+    fills among a layer call's r misses beside f forced fills (the re-miss rule). ``[E+1]``
+    (f = 0 only, i.e. ``fill_count``) unless ``split.fill_reused``, else ``[(E+1)*(E+1)]``.
+    Built once per (split, E, device) and kept (captured graphs hold its address); the runtime
+    builds its splits' tables before any graph is captured."""
     device = torch.device(device)
     key = (split, num_experts, str(device))
     table = _Q_TABLES.get(key)
     if table is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # No host-to-device copy inside a capture: the graph computes it on the device.
-            m = torch.arange(num_experts + 1, dtype=torch.int64, device=device)
-            return fill_count(m, split).to(torch.int32)
-        m = torch.arange(num_experts + 1, dtype=torch.int64)
-        table = fill_count(m, split).to(torch.int32).to(device)
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        # No host-to-device copy inside a capture: the graph computes it on the device.
+        on = device if capturing else torch.device("cpu")
+        r = torch.arange(num_experts + 1, dtype=torch.int64, device=on)
+        f = r.unsqueeze(1) if split.fill_reused else torch.zeros(1, 1, dtype=torch.int64, device=on)
+        table = fill_count_after(f, r.unsqueeze(0), split).reshape(-1).to(torch.int32)
+        if capturing:
+            return table
+        table = table.to(device)
         _Q_TABLES[key] = table
     return table
 

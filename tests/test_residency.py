@@ -59,13 +59,15 @@ class ReferenceLRU:
         forced = reused if split.fill_reused else []
         self.forced += len(forced) if oldest >= 0 else 0
         rest = [f for f in misses if f not in forced]
-        m = len(rest)
-        q = min(m, max(split.min_fill, int(m * split.fill_ratio + 0.5)))
+        m = len(misses)
+        # q* over every miss; the forced fills count against it
+        q = max(len(forced), min(m, max(split.min_fill, int(m * split.fill_ratio + 0.5))))
         c = m - q
         if split.cpu_us > 0 and c > 0 and (
             split.cpu_fixed_us + c * split.cpu_us >= split.fill_fixed_us + m * split.fill_us
         ):
             q = m  # the CPU branch would end after filling all m: fill them
+        q -= len(forced)
         fillable = [f for f in rest if f in reused] if split.admit_reuse else rest
         to_fill = sorted(forced + fillable[:q])
         to_cpu = [f for f in misses if f not in to_fill]
@@ -279,14 +281,57 @@ def test_remiss_rule_fills_an_expert_the_cpu_served(use_kernel, fill_reused):
     assert counters[:, 0].tolist() == ([6, 0, 3, 1, 3] if fill_reused else [6, 0, 0, 0, 6])
 
 
-def test_q_table_entries_are_fill_count():
-    from freetoken_sglang.cache.residency import fill_count
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])
+def test_remiss_rule_counts_its_fills_in_q(use_kernel):
+    # One layer of 16 experts, 6 slots, q*/m = 0.5 with the re-miss rule.
+    # 1: six misses into empty slots, all reused (a slot is empty): 0-5 fill.
+    # 2: four misses never used before: q*(4) = 2 fill (6, 7), 8 and 9 run on the CPU.
+    # 3: six misses, 8 and 9 reused (used at 2, after the oldest slot's last use at 1):
+    #    q*(6) = 3 fills, the two forced ones among them, so one other (10) fills; counted
+    #    apart, the rule would fill 2 + q*(4) = 4.
+    # 4: four misses, 11-13 reused: more forced fills than q*(4) = 2, so exactly those three
+    #    fill and 14 runs on the CPU (counted apart: 3 + q*(1) = 4, every miss).
+    from freetoken_sglang.cache.residency import decide_reference
+
+    run = decide_reference
+    if use_kernel:
+        from freetoken_sglang.kernels.residency import decide_triton as run
+    split = MissSplit(0.5, 1, fill_reused=True)
+    state = ResidencyState(16, 6, "cpu")
+    counters = torch.zeros(5, 1, dtype=torch.int64)
+    fills, cpu = [], []
+    for ids in ([0, 1, 2, 3, 4, 5], [6, 7, 8, 9], [8, 9, 10, 11, 12, 13], [11, 12, 13, 14]):
+        d = run(state, counters, 0, 16, torch.tensor([ids], dtype=torch.int32),
+                torch.ones(1, len(ids)), torch.tensor([1], dtype=torch.int32), split)
+        n, c = int(d.plan.count), int(d.cpu.count)
+        fills.append(d.plan.src[:n].tolist())
+        cpu.append(d.cpu.experts[:c].tolist())
+        check_invariants(state, 16)
+    assert fills == [[0, 1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11, 12, 13]]
+    assert cpu == [[], [8, 9], [11, 12, 13], [14]]
+
+
+def test_q_table_entries_are_the_split():
+    from freetoken_sglang.cache.residency import fill_count, fill_count_after
     from freetoken_sglang.kernels.residency import q_table
 
+    t = torch.tensor
     for split in SPLITS + [MissSplit(0.7, 1)]:
         table = q_table(split, 16, "cpu")
-        assert table.dtype == torch.int32 and table.shape == (17,)
-        assert table.tolist() == [int(fill_count(torch.tensor(m), split)) for m in range(17)]
+        assert table.dtype == torch.int32
+        assert table[:17].tolist() == [int(fill_count(t(m), split)) for m in range(17)]
+        if not split.fill_reused:
+            assert table.shape == (17,)
+            continue
+        assert table.shape == (17 * 17,)
+        for f in range(17):
+            for r in range(17 - f):
+                q = int(table[f * 17 + r])
+                assert q == int(fill_count_after(t(f), t(r), split))
+                # forced fills count in q*: never more fills than max(f, q*) unless the
+                # cost check fills every miss
+                assert q == r or f + q == max(f, int(fill_count(t(f + r), MissSplit(
+                    split.fill_ratio, split.min_fill))))
     assert q_table(MissSplit(0.7, 1), 16, "cpu")[5] == 4  # 3.5 rounds half up in double
 
 

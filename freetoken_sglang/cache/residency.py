@@ -44,10 +44,12 @@ class MissSplit:
 
     A miss is *reused* when its last use is more recent than the least recently used slot's
     (every miss while a slot is empty). With ``fill_reused`` (the re-miss rule,
-    ``miss_policy.py``) every reused miss is filled, and ``q`` above is taken over the other
-    misses only. With ``admit_reuse`` (the admission rule) only reused misses may be filled (at
-    most q of them, in expert order); the other misses run on the CPU and leave the cache as it
-    is. With both, exactly the reused misses are filled."""
+    ``miss_policy.py``) every reused miss is filled and counts against the call's ``q``: of
+    ``m`` misses with ``f`` reused, ``max(f, q)`` are filled (the other misses in expert order
+    fill the rest of ``q``), and the cost check weighs the ``m - max(f, q)`` CPU experts
+    (``fill_count_after``). With ``admit_reuse`` (the admission rule) only reused misses may be
+    filled (at most q of them, in expert order); the other misses run on the CPU and leave the
+    cache as it is. With both, exactly the reused misses are filled."""
 
     fill_ratio: float = 1.0
     min_fill: int = 0
@@ -230,14 +232,24 @@ def fill_count(num_misses: torch.Tensor, split: MissSplit) -> torch.Tensor:
     """q of ``MissSplit`` (round half up, then the cost check), in double precision, as a
     tensor like ``num_misses`` (the decision kernel reads it from a table of this function,
     ``kernels/residency.py`` ``q_table``)."""
-    q = torch.floor(num_misses.double() * split.fill_ratio + 0.5).to(num_misses.dtype)
-    q = torch.minimum(num_misses, q.clamp(min=split.min_fill))
+    return fill_count_after(torch.zeros_like(num_misses), num_misses, split)
+
+
+def fill_count_after(forced: torch.Tensor, rest: torch.Tensor, split: MissSplit) -> torch.Tensor:
+    """Fills among the ``rest`` misses of a call whose ``forced`` misses are filled anyway (the
+    re-miss rule): the call's q over all ``forced + rest`` misses is ``max(forced, q*)``, where
+    q* is ``fill_count``'s split before its cost check; the cost check then weighs the CPU
+    experts left. Tensors of one integer dtype, broadcast; ``forced = 0`` gives
+    ``fill_count(rest)``. The decision kernel reads it from ``q_table``."""
+    m = forced + rest
+    q = torch.floor(m.double() * split.fill_ratio + 0.5).to(m.dtype)
+    q = torch.maximum(forced, torch.minimum(m, q.clamp(min=split.min_fill)))
     if split.cpu_us > 0:
-        c = (num_misses - q).double()
+        c = (m - q).double()
         cpu_end = split.cpu_fixed_us + c * split.cpu_us
-        fill_all = split.fill_fixed_us + num_misses.double() * split.fill_us
-        q = torch.where((c > 0) & (cpu_end >= fill_all), num_misses, q)
-    return q
+        fill_all = split.fill_fixed_us + m.double() * split.fill_us
+        q = torch.where((c > 0) & (cpu_end >= fill_all), m, q)
+    return q - forced
 
 
 def decide_reference(
@@ -274,8 +286,8 @@ def decide_reference(
     state.key.copy_(key_ext[:S])
 
     # Reused misses: used more recently than the least recently used slot (stamp -1 while a
-    # slot is empty: every miss). The re-miss rule fills them all; the q* split, over the
-    # other misses, may fill all of those or (admission) only reused ones.
+    # slot is empty: every miss). The re-miss rule fills them all and counts them in q; the
+    # rest of q goes to the other misses, any of them or (admission) only reused ones.
     layer_last = state.last_use[base : base + E]
     if (split.admit_reuse or split.fill_reused) and S > 0:
         oldest = torch.div(state.key.min(), S, rounding_mode="floor")
@@ -285,7 +297,8 @@ def decide_reference(
     forced = reused if split.fill_reused else torch.zeros_like(miss)
     rest = miss & ~forced
     eligible = rest & reused if split.admit_reuse else rest
-    q = torch.minimum(fill_count(rest.sum().int(), split), eligible.sum().int())
+    q = torch.minimum(fill_count_after(forced.sum().int(), rest.sum().int(), split),
+                      eligible.sum().int())
     fill = forced | (eligible & (torch.cumsum(eligible.int(), 0) - 1 < q))
     rank = torch.cumsum(fill.int(), 0) - 1
     cpu = miss & ~fill
