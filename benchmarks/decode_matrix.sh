@@ -7,8 +7,12 @@
 # trace's decode rows into the MoE layers (--freetoken-replay-routing; e.g. the trained router's
 # benchmarks/results/h200-2026-12-03-s14/train/tr/trace_W4.npz). POLICIES: default
 # "fill qstar cpu"; an entry LABEL=POLICY,FLAG,VALUE... adds server flags (e.g.
-# qstar-rule=qstar,--freetoken-fill-reused,on). NO_STOCK=1 leaves stock out. Each server takes
-# 1.5-3 minutes to start on a fresh machine plus about 30 s per ratio: split the policies over
+# qstar-rule=qstar,--freetoken-fill-reused,on). NO_STOCK=1 leaves stock out. SHAPE: a shape of
+# servers.py (default qwen3-30b-a3b; e.g. qwen3-30b-a3b-fp8, gpt-oss-120b); STOCK_FLAGS and
+# FT_FLAGS: comma-separated flags for stock and for every FreeToken server (GPT-OSS-120B:
+# STOCK_FLAGS=--moe-runner-backend,triton_kernel, whose default on an H200 upcasts the MXFP4
+# experts to BF16, 229 GB; FT_FLAGS=--moe-runner-backend,triton). Each server takes 1.5-3
+# minutes to start on a fresh machine plus about 30 s per ratio: split the policies over
 # calls of 10 minutes.
 set -euo pipefail
 out=${1:?usage: decode_matrix.sh OUT_DIR [RATIOS] [TRACE.npz] [POLICIES]}
@@ -18,12 +22,13 @@ policies=${4:-fill qstar cpu}
 replay=""
 [ -n "$trace" ] && replay=",--freetoken-replay-routing,$trace,--freetoken-replay-phase,decode"
 systems=()
-[ "${NO_STOCK:-0}" = 1 ] || systems+=(--system stock:)
+[ "${NO_STOCK:-0}" = 1 ] || systems+=(--system "stock:${STOCK_FLAGS:-}")
+ft_extra=${FT_FLAGS:+,$FT_FLAGS}
 for p in $policies; do
   label=${p%%=*}
   spec=${p#*=}
   flags="--enable-freetoken,--freetoken-cache-ratio,1.0,--freetoken-miss-policy,${spec}"
-  systems+=(--system "ft-${label}:${flags}${replay}")
+  systems+=(--system "ft-${label}:${flags}${replay}${ft_extra}")
 done
-exec python3 "$(dirname "$0")/bench_decode.py" --new-tokens "${NEW_TOKENS:-64}" --repeats 2 --max-bs 4 \
+exec python3 "$(dirname "$0")/bench_decode.py" --shape "${SHAPE:-qwen3-30b-a3b}" --new-tokens "${NEW_TOKENS:-64}" --repeats 2 --max-bs 4 \
   --cache-ratios "$ratios" --out-dir "$out" "${systems[@]}"
