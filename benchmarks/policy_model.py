@@ -1,0 +1,169 @@
+"""A cost model of the decode miss policies over a routing trace: modelled tok/s, not a measurement.
+
+    python benchmarks/policy_model.py TRACE.npz [--ratios 0.5,0.25,0.1] [--bs 1,4]
+
+Replays a trace's decode rows (``observe/routing_trace.py``; ``bs`` consecutive rows per step,
+cycling, trace layers spread over the shape's MoE layers as ``--freetoken-replay-routing``
+does) through the server's own decision (``cache.residency.decide_reference``, the kernel's
+tested reference) for each miss policy (``miss_policy.MissPolicy``). As ``bench_decode.py
+--cache-ratios`` runs a server, the cache starts all resident and is shrunk to each ratio in
+turn (``cache/resize.py``), bs 1 then bs 4 at each, ``--warm-steps`` unmeasured steps first. Each layer call then costs, in microseconds,
+
+    all-hit layer time (``--step-us``: stock's step time / L)
+    + max(fill branch, CPU branch),
+    fill branch = F_P + q S / B_P                                   (q fills; 0 if none)
+    CPU branch  = F_H + the c CPU experts' S bytes read at B_H - B_P while the fills run
+                  and at B_H after them                              (0 if c = 0)
+
+with the paper's Eq. 1-3 and the constants measured on the H200 (``--bandwidth``; defaults:
+Session 17's B_P 43.8, B_H 108.9 GB/s, F_P 9.9, F_H 19.9 us; stock's 252.33 / 449.50 tok/s
+at bs 1 / 4). It ignores launch gaps, the GPU's MoE time over more experts, and the CPU
+partial's merge. Use it to choose what to measure on the GPU, never as a result: check it
+against a measured matrix first (``benchmarks/RESULTS.md``, Session 23).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from freetoken_sglang.cache.residency import ResidencyState, decide_reference  # noqa: E402
+from freetoken_sglang.cache.resize import install, kept_experts  # noqa: E402
+from freetoken_sglang.miss_policy import MissPolicy  # noqa: E402
+from freetoken_sglang.observe.routing_replay import layer_map  # noqa: E402
+from freetoken_sglang.observe.routing_trace import RoutingTrace  # noqa: E402
+from servers import shape_config  # noqa: E402
+
+# label: (policy, admission, fill_reused)
+POLICIES = {
+    "fill": ("fill", False, False),
+    "cpu": ("cpu", False, False),
+    "qstar": ("qstar", False, False),
+    "qstar-admit": ("qstar", True, False),
+    "qstar-remiss": ("qstar", False, True),
+}
+
+
+def expert_bytes(cfg: dict) -> int:
+    """S: one BF16 gated expert's bytes (w13 and w2)."""
+    return 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 2
+
+
+def layer_us(q: int, c: int, allhit_us: float, s_bytes: int, bw) -> float:
+    """One layer call's modelled time (the module docstring's formula)."""
+    b_p, b_h, f_p, f_h = bw
+    fill = f_p + q * s_bytes / (b_p * 1e3) if q else 0.0
+    cpu = 0.0
+    if c:
+        need = c * s_bytes / 1e3  # bytes / 1e3 = GB/s * us
+        beside = fill * max(b_h - b_p, 0.0) if q else 0.0  # readable while the fills run
+        cpu = f_h + (need / (b_h - b_p) if need <= beside else fill + (need - beside) / b_h)
+    return allhit_us + max(fill, cpu)
+
+
+def shrink(state: ResidencyState, slots: int, E: int) -> ResidencyState:
+    """The cache after a resize to ``slots`` (``cache/resize.py``: the most recently used
+    experts stay; from the all-resident cache, the same share of every layer)."""
+    new = ResidencyState(state.num_rows, slots, "cpu")
+    install(new, None, kept_experts(state, slots, E), int(state.clock))
+    return new
+
+
+def run_cell(ids: np.ndarray, lmap, E: int, state: ResidencyState, bs: int, policy: MissPolicy,
+             allhit_us: float, s_bytes: int, bw, warm: int, steps: int) -> dict:
+    """Modelled tok/s and counts of one policy at one batch size, from ``state`` (updated)."""
+    L = len(lmap)
+    counters = torch.zeros(5, L, dtype=torch.int64)
+    split = policy.decode_split
+    rows_n = ids.shape[0]
+    total_us, fills, cpu, reads, hits = 0.0, 0, 0, 0, 0
+    w = torch.ones(bs, ids.shape[2])
+    nv = torch.tensor([bs], dtype=torch.int32)
+    for step in range(warm + steps):
+        rows = [(step * bs + i) % rows_n for i in range(bs)]
+        block = torch.from_numpy(ids[rows].astype(np.int32))  # [bs, L_trace, k]
+        for layer in range(L):
+            before = counters[:, layer].clone()
+            decide_reference(state, counters, layer, E, block[:, lmap[layer]].contiguous(), w,
+                             nv, split)
+            d = (counters[:, layer] - before).tolist()  # reads, hits, fills, evictions, cpu
+            if step >= warm:
+                total_us += layer_us(d[2], d[4], allhit_us, s_bytes, bw)
+                reads, hits, fills, cpu = reads + d[0], hits + d[1], fills + d[2], cpu + d[4]
+    return {"tok_s": bs * steps / (total_us * 1e-6), "hit_rate": hits / reads,
+            "fills_per_step": fills / steps, "cpu_per_step": cpu / steps}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace")
+    ap.add_argument("--shape", default="qwen3-30b-a3b")
+    ap.add_argument("--ratios", default="0.5,0.25,0.1")
+    ap.add_argument("--bs", default="1,4")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--bandwidth", default="43.8,108.9,9.9,19.9", help="B_P,B_H,F_P,F_H")
+    ap.add_argument("--stock-tok-s", default="252.33,449.50",
+                    help="stock's bs1,bs4 tok/s: the all-hit step time")
+    ap.add_argument("--warm-steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    cfg = shape_config(a.shape, None)
+    L, E = cfg["num_hidden_layers"], cfg["num_experts"]
+    trace = RoutingTrace.load(a.trace)
+    if (trace.num_experts, trace.top_k) != (E, cfg["num_experts_per_tok"]):
+        raise SystemExit(f"{a.trace}: top-{trace.top_k} of {trace.num_experts} experts; the "
+                         f"shape routes top-{cfg['num_experts_per_tok']} of {E}")
+    ids = trace.ids[np.repeat(trace.phase == 1, trace.num_tokens)]
+    lmap = layer_map(trace.num_layers, L)
+    bw = tuple(float(x) for x in a.bandwidth.split(","))
+    stock = dict(zip((1, 4), (float(x) for x in a.stock_tok_s.split(","))))
+    s_bytes = expert_bytes(cfg)
+    print(f"MODEL, not a measurement: {a.trace} ({ids.shape[0]} decode rows), shape {a.shape}, "
+          f"S {s_bytes / 2**20:.2f} MiB, B_P,B_H,F_P,F_H {bw}", flush=True)
+    out = []
+    # As bench_decode.py --cache-ratios runs a server: all resident, then shrunk to each ratio
+    # in turn (decreasing), bs 1 then bs 4 at each, the cache carried over.
+    for label in a.policies.split(","):
+        name, admit, remiss = POLICIES[label]
+        pol = MissPolicy(name, bw[:2], bw[2:], s_bytes, admit, remiss) \
+            if name == "qstar" else MissPolicy(name)
+        state = ResidencyState(L * E, L * E, "cpu")
+        state.make_all_resident()
+        for ratio in (float(r) for r in a.ratios.split(",")):
+            state = shrink(state, int(round(ratio * L * E)), E)
+            for bs in (int(b) for b in a.bs.split(",")):
+                t0 = time.perf_counter()
+                r = run_cell(ids, lmap, E, state, bs, pol, 1e6 * bs / stock[bs] / L, s_bytes,
+                             bw, a.warm_steps, a.steps)
+                r.update(ratio=ratio, bs=bs, policy=label, sim_s=time.perf_counter() - t0)
+                out.append(r)
+                print(json.dumps(r), flush=True)
+    print("\nMODEL: tok/s (hit rate) per policy")
+    labels = a.policies.split(",")
+    print("| ratio | bs | " + " | ".join(labels) + " |")
+    for ratio in sorted({r["ratio"] for r in out}, reverse=True):
+        for bs in sorted({r["bs"] for r in out}):
+            cell = {r["policy"]: r for r in out if r["ratio"] == ratio and r["bs"] == bs}
+            print(f"| {ratio} | {bs} | " + " | ".join(
+                f"{cell[p]['tok_s']:.1f} ({cell[p]['hit_rate']:.2f})" for p in labels) + " |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"trace": a.trace, "shape": a.shape, "bandwidth": bw, "model": True,
+                       "cells": out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
