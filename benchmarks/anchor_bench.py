@@ -228,6 +228,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-cap", type=int, default=4)
     ap.add_argument("--cache-ratio", type=float, default=0.25)
     ap.add_argument("--common", default="", help="flags for every server (space-separated)")
+    ap.add_argument("--ft-common", default="",
+                    help="flags for the FreeToken systems only (space-separated), e.g. "
+                         "'--freetoken-prefill-cpu auto --freetoken-cpu-isa amx'")
     ap.add_argument("--cpu", action="store_true", help="serve on the CPU (smoke runs)")
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--append", action="append", default=[], metavar="RUNS_JSON",
@@ -236,7 +239,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     os.makedirs(a.out_dir, exist_ok=True)
     names = [n for n in a.systems.split(",") if n]
-    flags_of = {n: system_flags(n, a.cache_ratio) for n in names}
+    flags_of = {n: system_flags(n, a.cache_ratio) + (a.ft_common.split() if n.startswith("ft-")
+                                                     else []) for n in names}
     sessions = [s for s in a.sessions.split(",") if s]
     own = {}
     for item in a.system_sessions:
