@@ -48,3 +48,31 @@ def tiny_checkpoint(tiny_dir):
         )
 
     return build
+
+
+@pytest.fixture(scope="module")
+def published_server_args(tiny_checkpoint):
+    """SGLang's kernels read config bags that a server publishes at start, and its fused MoE
+    asks for the tensor-parallel group (a one-process group here, as a server makes; gloo
+    without a GPU)."""
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.network import get_free_port
+
+    publish(ServerArgs(model_path=tiny_checkpoint("qwen3_moe")), role="test")
+    made_dist = not torch.distributed.is_initialized()
+    if made_dist:
+        ps.init_distributed_environment(
+            world_size=1, rank=0, local_rank=0,
+            backend="nccl" if torch.cuda.is_available() else "gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{get_free_port()}",
+        )
+    made_groups = not ps.model_parallel_is_initialized()
+    if made_groups:
+        ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    yield
+    if made_groups:
+        ps.destroy_model_parallel()
+    if made_dist:
+        ps.destroy_distributed_environment()

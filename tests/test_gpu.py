@@ -137,32 +137,6 @@ def test_stream_copy_runs_are_async_on_the_copy_engine():
     pool.unpin()
 
 
-@pytest.fixture(scope="module")
-def published_server_args(tiny_checkpoint):
-    """SGLang's kernels read config bags that a server publishes at start, and its fused MoE
-    asks for the tensor-parallel group (a one-process group here, as a server makes)."""
-    from sglang.srt.distributed import parallel_state as ps
-    from sglang.srt.runtime_context import publish
-    from sglang.srt.server_args import ServerArgs
-    from sglang.srt.utils.network import get_free_port
-
-    publish(ServerArgs(model_path=tiny_checkpoint("qwen3_moe")), role="test")
-    made_dist = not torch.distributed.is_initialized()
-    if made_dist:
-        ps.init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, backend="nccl",
-            distributed_init_method=f"tcp://127.0.0.1:{get_free_port()}",
-        )
-    made_groups = not ps.model_parallel_is_initialized()
-    if made_groups:
-        ps.initialize_model_parallel(tensor_model_parallel_size=1)
-    yield
-    if made_groups:
-        ps.destroy_model_parallel()
-    if made_dist:
-        ps.destroy_distributed_environment()
-
-
 @pytest.mark.parametrize("num_tokens", [1, 3, 64, 700])
 def test_moe_on_slots_is_bit_identical_to_stock(num_tokens, published_server_args):
     from types import SimpleNamespace
@@ -227,11 +201,19 @@ def test_fp4_slots_match_sglang_over_the_dequantized_experts(label, num_tokens, 
     """FP4 slots (execute/slot_moe.py's dequantized path): the call's distinct experts are
     dequantized from random slots and SGLang's unquantized Triton sequence runs over them.
     One pass: bit-identical to SGLang's ``fused_experts`` over the dequantized layer; several
-    passes (a small pass budget): equal within bf16 rounding of the summed partials."""
+    passes (a small pass budget): equal within bf16 rounding of the summed partials.
+    ``test_quantized.py`` runs one case in Triton's interpreter."""
+    from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
+
+    check_fp4_slots(label, num_tokens, "cuda", fused_experts, monkeypatch)
+
+
+def check_fp4_slots(label, num_tokens, device, fused_experts, monkeypatch):
+    """The body of ``test_fp4_slots_match_sglang_over_the_dequantized_experts`` on ``device``,
+    against ``fused_experts(x, w13, w2, topk_output, config, b1=, b2=)``."""
     from types import SimpleNamespace
 
     from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
-    from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
     from freetoken_sglang.execute import slot_moe
@@ -240,36 +222,36 @@ def test_fp4_slots_match_sglang_over_the_dequantized_experts(label, num_tokens, 
     torch.manual_seed(num_tokens)
     fmt = FORMATS[label]
     E, H, I, k, S = 16, 256, 128, 4, 40
-    u8 = lambda *shape: torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
+    u8 = lambda *shape: torch.randint(0, 256, shape, dtype=torch.uint8, device=device)
     if label == "mxfp4":  # GPT-OSS: biases, clamped SwiGLU, interleaved gate/up
         banks = {"w13_weight": u8(E, 2 * I, H // 2),
-                 "w13_weight_scale": torch.randint(118, 124, (E, 2 * I, H // 32), dtype=torch.uint8, device="cuda"),
-                 "w13_weight_bias": torch.randn(E, 2 * I, device="cuda").to(torch.bfloat16),
+                 "w13_weight_scale": torch.randint(118, 124, (E, 2 * I, H // 32), dtype=torch.uint8, device=device),
+                 "w13_weight_bias": torch.randn(E, 2 * I, device=device).to(torch.bfloat16),
                  "w2_weight": u8(E, H, I // 2),
-                 "w2_weight_scale": torch.randint(118, 124, (E, H, I // 32), dtype=torch.uint8, device="cuda"),
-                 "w2_weight_bias": torch.randn(E, H, device="cuda").to(torch.bfloat16)}
+                 "w2_weight_scale": torch.randint(118, 124, (E, H, I // 32), dtype=torch.uint8, device=device),
+                 "w2_weight_bias": torch.randn(E, H, device=device).to(torch.bfloat16)}
         extra = dict(gemm1_alpha=1.702, gemm1_clamp_limit=7.0)
     else:
-        e4m3 = lambda *shape: (torch.rand(*shape, device="cuda") * 0.5 + 0.05).to(torch.float8_e4m3fn)
+        e4m3 = lambda *shape: (torch.rand(*shape, device=device) * 0.5 + 0.05).to(torch.float8_e4m3fn)
         banks = {"w13_weight": u8(E, 2 * I, H // 2), "w2_weight": u8(E, H, I // 2),
                  "w13_weight_scale": e4m3(E, 2 * I, H // 16), "w2_weight_scale": e4m3(E, H, I // 16),
-                 "w13_weight_scale_2": torch.rand(E, 2, device="cuda") * 0.1 + 0.01,
-                 "w2_weight_scale_2": torch.rand(E, device="cuda") * 0.1 + 0.01}
+                 "w13_weight_scale_2": torch.rand(E, 2, device=device) * 0.1 + 0.01,
+                 "w2_weight_scale_2": torch.rand(E, device=device) * 0.1 + 0.01}
         extra = dict(routed_scaling_factor=1.5)
     w13, w2 = fmt.dequantize(None, banks, torch.bfloat16)
     cfg = MoeRunnerConfig(
         num_experts=E, num_local_experts=E, hidden_size=H, intermediate_size_per_partition=I,
         top_k=k, params_dtype=torch.bfloat16, activation="silu", inplace=False, **extra)
-    x = torch.randn(num_tokens, H, device="cuda", dtype=torch.bfloat16)
-    logits = torch.randn(num_tokens, E, device="cuda")
+    x = torch.randn(num_tokens, H, device=device, dtype=torch.bfloat16)
+    logits = torch.randn(num_tokens, E, device=device)
     weights, ids = torch.topk(logits.softmax(-1), k)
     ids = ids.to(torch.int32)
     want = fused_experts(x.clone(), w13, w2, StandardTopKOutput(weights, ids, logits), cfg,
                          b1=banks.get("w13_weight_bias"), b2=banks.get("w2_weight_bias"))
-    perm = torch.randperm(S, device="cuda")[:E].to(torch.int32)
+    perm = torch.randperm(S, device=device)[:E].to(torch.int32)
     slots = {}
     for name, b in banks.items():
-        slots[name] = torch.zeros(S, *b.shape[1:], dtype=b.dtype, device="cuda")
+        slots[name] = torch.zeros(S, *b.shape[1:], dtype=b.dtype, device=device)
         slots[name][perm.long()] = b
     method = SimpleNamespace(format=fmt, base_method=None, triton_quant=fmt.triton(None))
     layer = SimpleNamespace(moe_runner_config=cfg, quant_method=method,
