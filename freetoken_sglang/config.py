@@ -194,7 +194,8 @@ class FreeTokenConfig:
             type=_choice("off", "on"),
             help="With --freetoken-miss-policy qstar: on fills every miss whose last use is "
             "more recent than the least recently used slot's (an expert the CPU served and "
-            "routed to again within the cache's LRU age) and splits the other misses by q*; "
+            "routed to again within the cache's LRU age), counted in the call's q* fills "
+            "(all of them where they outnumber q*), the other misses filling what is left; "
             "off (default): q* splits every miss, as in the paper.",
         ),
     )
@@ -708,7 +709,8 @@ def apply_server_args_overrides(
                 "NVFP4); omit --quantization to serve the checkpoint's own"
             )
     if kwargs.get("cpu_offload_gb"):
-        problems.append("--cpu-offload-gb cannot be combined with --enable-freetoken")
+        problems.append("--cpu-offload-gb is not supported (the host pool already keeps the "
+                        "routed experts in host memory): drop it")
     if kwargs.get("enable_eplb"):
         problems.append("--enable-eplb is not supported")
     if kwargs.get("speculative_algorithm"):

@@ -26,10 +26,8 @@ filled now. Each expert then runs on the CPU at most once per stay within the ca
 The threshold is the cache's own LRU age, not a tuned constant (``cache/residency.py``). The
 forced fills take their PCIe time out of Eq. 4's balance: of m misses with f reused,
 ``max(f, q*(m))`` are filled, the reused ones first, and the lone-miss rule weighs the CPU
-experts left. Off by default: on the H200 (Session 18 of benchmarks/RESULTS.md, when the split
-of the other misses did not count the forced fills and so filled up to ``f + q*(m - f)``) it
-narrowed q*'s loss to fill at high hit rates on dummy routing but lost to the paper's split in
-every trained-routing cell; this form is not measured yet.
+experts left. Off by default: not measured in this form (benchmarks/RESULTS.md, Session 18,
+measured a form that filled up to ``f + q*(m - f)``).
 
 The admission rule (``--freetoken-admission reuse``, beyond the paper): under thrash, LRU fills
 experts that are evicted before their next use. A miss is fillable only if its last use is

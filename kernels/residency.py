@@ -109,7 +109,8 @@ def _decide_kernel(
         reused = miss & (last > oldest)
     else:
         reused = miss & (e < 0)
-    # The re-miss rule fills every reused miss; the q* split runs over the other misses.
+    # The re-miss rule fills every reused miss and counts it in q; the rest of q goes to the
+    # other misses (the table's row of the forced count).
     if REFILL:
         forced = reused
     else:

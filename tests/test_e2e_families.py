@@ -160,7 +160,7 @@ POLICIES = {
     # q* with the admission rule: misses not used since the LRU slot's last use run on the CPU
     "qstar-admit": ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40",
                     "--freetoken-admission", "reuse"],
-    # q* with the re-miss rule: misses used since then are filled, q* splits the others
+    # q* with the re-miss rule: misses used since then are filled, counted in q*
     "qstar-remiss": ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40",
                      "--freetoken-fill-reused", "on"],
     # streamed prefill with half of each layer's non-resident experts on the C executor

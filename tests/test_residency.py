@@ -24,8 +24,8 @@ from freetoken_sglang.cache.residency import (
 COSTED = MissSplit(0.25, 1, 200.0, 100.0, 10.0, 500.0)
 # The admission rule: only misses used since the least recently used slot's last use fill.
 ADMIT = MissSplit(0.6, 1, admit_reuse=True)
-# The re-miss rule (every miss used since that slot's last use fills, q* splits the others),
-# alone, with the cost check, and with admission.
+# The re-miss rule (every miss used since that slot's last use fills, counted in q*; the other
+# misses fill what is left of q*), alone, with the cost check, and with admission.
 REFILL = MissSplit(0.25, 1, fill_reused=True)
 SPLITS = [FILL_ALL, MissSplit(0.6, 1), MissSplit(0.25, 1), MissSplit(0.0, 0), COSTED, ADMIT,
           REFILL, MissSplit(0.25, 1, 200.0, 100.0, 10.0, 500.0, fill_reused=True),
