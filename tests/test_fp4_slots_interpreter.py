@@ -26,9 +26,12 @@ FUSED_MOE = "sglang.srt.layers.moe.moe_runner.triton_utils."
 def align_block_size(topk_ids, num_buckets, block_size, sorted_ids, expert_ids, num_post_pad,
                      cumsum, pad_sorted_ids, ignore_invalid_expert=False):
     """The CUDA ``moe_align_block_size`` with ``num_buckets = E + 1``: ids shifted by one (-1
-    into bucket 0), each bucket's entries (stable order) padded to a multiple of
-    ``block_size``, every block labelled with its bucket minus one, the padding rows
-    ``numel``."""
+    into bucket 0), each bucket's entries (stable order; the kernel's order inside a bucket
+    is its atomics') padded to a multiple of ``block_size``, every block labelled with its
+    bucket minus one, the padding rows ``numel``; ``cumsum`` is the kernel's scratch. SGLang's
+    own torch version (``trtllm_lora_temp.virtual_experts._align_block_size_torch``) puts the
+    -1 bucket last, unlike the kernel. ``test_gpu.py`` checks this one against the kernel."""
+    assert not ignore_invalid_expert, "the stand-in does not implement ignore_invalid_expert"
     flat = topk_ids.reshape(-1).long() + 1
     counts = torch.bincount(flat, minlength=num_buckets)
     ends = torch.cumsum((counts + block_size - 1) // block_size * block_size, 0).tolist()

@@ -137,6 +137,32 @@ def test_stream_copy_runs_are_async_on_the_copy_engine():
     pool.unpin()
 
 
+def test_align_stand_in_matches_the_kernel():
+    """``test_fp4_slots_interpreter.py``'s torch stand-in for SGLang's token alignment gives the
+    CUDA kernel's blocks: the same padded total, block expert ids, and token rows per block
+    (the kernel orders a block's rows by its atomics)."""
+    from sglang.srt.layers.moe.moe_runner.triton_utils.moe_align_block_size import (
+        moe_align_block_size,
+    )
+
+    from test_fp4_slots_interpreter import align_block_size
+
+    g = torch.Generator().manual_seed(0)
+    for t, k, E, bs in ((1, 4, 16, 16), (3, 4, 16, 16), (64, 8, 128, 64), (5, 2, 8, 32)):
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(t)]).int()
+        ids[0, 0] = -1  # an entry served elsewhere
+        want_rows, want_experts, want_n = moe_align_block_size(ids.cuda(), bs, E)
+        rows, experts = torch.empty_like(want_rows).cpu(), torch.empty_like(want_experts).cpu()
+        n = torch.empty(1, dtype=torch.int32)
+        align_block_size(ids, E + 1, bs, rows, experts, n, torch.empty(E + 2, dtype=torch.int32),
+                         True)
+        assert int(n) == int(want_n)
+        blocks = int(n) // bs
+        assert experts[:blocks].tolist() == want_experts[:blocks].tolist()
+        got = rows[:int(n)].view(blocks, bs).sort(1).values
+        assert torch.equal(got, want_rows[:int(n)].cpu().view(blocks, bs).sort(1).values)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 3, 64, 700])
 def test_moe_on_slots_is_bit_identical_to_stock(num_tokens, published_server_args):
     from types import SimpleNamespace
@@ -202,7 +228,7 @@ def test_fp4_slots_match_sglang_over_the_dequantized_experts(label, num_tokens, 
     dequantized from random slots and SGLang's unquantized Triton sequence runs over them.
     One pass: bit-identical to SGLang's ``fused_experts`` over the dequantized layer; several
     passes (a small pass budget): equal within bf16 rounding of the summed partials.
-    ``test_quantized.py`` runs one case in Triton's interpreter."""
+    ``test_fp4_slots_interpreter.py`` runs one case in Triton's interpreter."""
     from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
 
     check_fp4_slots(label, num_tokens, "cuda", fused_experts, monkeypatch)
@@ -223,18 +249,21 @@ def check_fp4_slots(label, num_tokens, device, fused_experts, monkeypatch):
     fmt = FORMATS[label]
     E, H, I, k, S = 16, 256, 128, 4, 40
     u8 = lambda *shape: torch.randint(0, 256, shape, dtype=torch.uint8, device=device)
+    e8m0 = lambda *shape: torch.randint(118, 124, shape, dtype=torch.uint8, device=device)
     if label == "mxfp4":  # GPT-OSS: biases, clamped SwiGLU, interleaved gate/up
         banks = {"w13_weight": u8(E, 2 * I, H // 2),
-                 "w13_weight_scale": torch.randint(118, 124, (E, 2 * I, H // 32), dtype=torch.uint8, device=device),
+                 "w13_weight_scale": e8m0(E, 2 * I, H // 32),
                  "w13_weight_bias": torch.randn(E, 2 * I, device=device).to(torch.bfloat16),
                  "w2_weight": u8(E, H, I // 2),
-                 "w2_weight_scale": torch.randint(118, 124, (E, H, I // 32), dtype=torch.uint8, device=device),
+                 "w2_weight_scale": e8m0(E, H, I // 32),
                  "w2_weight_bias": torch.randn(E, H, device=device).to(torch.bfloat16)}
         extra = dict(gemm1_alpha=1.702, gemm1_clamp_limit=7.0)
     else:
-        e4m3 = lambda *shape: (torch.rand(*shape, device=device) * 0.5 + 0.05).to(torch.float8_e4m3fn)
+        e4m3 = lambda *shape: (torch.rand(*shape, device=device) * 0.5 + 0.05).to(
+            torch.float8_e4m3fn)
         banks = {"w13_weight": u8(E, 2 * I, H // 2), "w2_weight": u8(E, H, I // 2),
-                 "w13_weight_scale": e4m3(E, 2 * I, H // 16), "w2_weight_scale": e4m3(E, H, I // 16),
+                 "w13_weight_scale": e4m3(E, 2 * I, H // 16),
+                 "w2_weight_scale": e4m3(E, H, I // 16),
                  "w13_weight_scale_2": torch.rand(E, 2, device=device) * 0.1 + 0.01,
                  "w2_weight_scale_2": torch.rand(E, device=device) * 0.1 + 0.01}
         extra = dict(routed_scaling_factor=1.5)
