@@ -82,7 +82,8 @@ def quantized_expert(name: str, shape, quant: str):
         return [(name, shape, torch.float8_e4m3fn),
                 (base + "weight_scale_inv", (-(-n // FP8_BLOCK[0]), -(-k // FP8_BLOCK[1])),
                  torch.float32)]
-    return [(name, (n, k // 2), torch.uint8), (base + "weight_scale", (n, k // 16), torch.float8_e4m3fn),
+    return [(name, (n, k // 2), torch.uint8),
+            (base + "weight_scale", (n, k // 16), torch.float8_e4m3fn),
             (base + "weight_scale_2", (), torch.float32), (base + "input_scale", (), torch.float32)]
 
 
@@ -93,7 +94,8 @@ def quantization_config(quant: str, names) -> dict:
 
     if quant == "fp8":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": list(FP8_BLOCK), "modules_to_not_convert": _not_converted(names)}
+                "weight_block_size": list(FP8_BLOCK),
+                "modules_to_not_convert": _not_converted(names)}
     return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
             "ignore": _not_converted(names) + ["lm_head"]}
 
@@ -112,7 +114,8 @@ def write_checkpoint(shape: str, layers: int, out: str, quant: str = "bf16",
     if cfg.get("model_type") != "qwen3_moe":
         raise SystemExit(f"--shape {shape}: only Qwen3-MoE shapes are written by this script")
     if quant != "bf16":
-        cfg["quantization_config"] = quantization_config(quant, (n for n, _, _ in qwen3_moe_tensors(cfg)))
+        names = (n for n, _, _ in qwen3_moe_tensors(cfg))
+        cfg["quantization_config"] = quantization_config(quant, names)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
@@ -132,7 +135,8 @@ def write_checkpoint(shape: str, layers: int, out: str, quant: str = "bf16",
             cur, cur_bytes = {}, 0
 
     for name, shp, is_norm in qwen3_moe_tensors(cfg):
-        parts = (quantized_expert(name, shp, quant) if quant != "bf16" and EXPERT_WEIGHT.search(name)
+        quantized = quant != "bf16" and EXPERT_WEIGHT.search(name)
+        parts = (quantized_expert(name, shp, quant) if quantized
                  else [(name, shp, torch.bfloat16)])
         for name, shp, dtype in parts:
             n = 1
@@ -340,7 +344,11 @@ def main(argv=None) -> int:
     res["table"] = table(res, a.layers * shape_config(a.shape)["num_experts"])
     print(res["table"], flush=True)
     save()
-    return 0
+    failed = [q for q, r in res["formats"].items() if "convert_error" in r]
+    if failed:
+        print(f"FTW conversion failed for {', '.join(failed)} (see convert_error in {a.out})",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -10,10 +10,10 @@
 # qstar-rule=qstar,--freetoken-fill-reused,on). NO_STOCK=1 leaves stock out. SHAPE: a shape of
 # servers.py (default qwen3-30b-a3b; e.g. qwen3-30b-a3b-fp8, gpt-oss-120b); STOCK_FLAGS and
 # FT_FLAGS: comma-separated flags for stock and for every FreeToken server (GPT-OSS-120B:
-# STOCK_FLAGS=--moe-runner-backend,triton_kernel, whose default on an H200 upcasts the MXFP4
-# experts to BF16, 229 GB; FT_FLAGS=--moe-runner-backend,triton). Each server takes 1.5-3
-# minutes to start on a fresh machine plus about 30 s per ratio: split the policies over
-# calls of 10 minutes.
+# STOCK_FLAGS=--moe-runner-backend,triton_kernel: its default runner on an H200 dequantizes the
+# MXFP4 experts to BF16 at load, 36 x 128 x 49.8 MB = 229 GB; FT_FLAGS=--moe-runner-backend,
+# triton). Each server takes 1.5-3 minutes to start on a fresh machine plus about 30 s per
+# ratio: split the policies over calls of 10 minutes.
 set -euo pipefail
 out=${1:?usage: decode_matrix.sh OUT_DIR [RATIOS] [TRACE.npz] [POLICIES]}
 ratios=${2:-1.0,0.5,0.25,0.1}
@@ -30,5 +30,6 @@ for p in $policies; do
   flags="--enable-freetoken,--freetoken-cache-ratio,1.0,--freetoken-miss-policy,${spec}"
   systems+=(--system "ft-${label}:${flags}${replay}${ft_extra}")
 done
-exec python3 "$(dirname "$0")/bench_decode.py" --shape "${SHAPE:-qwen3-30b-a3b}" --new-tokens "${NEW_TOKENS:-64}" --repeats 2 --max-bs 4 \
+exec python3 "$(dirname "$0")/bench_decode.py" --shape "${SHAPE:-qwen3-30b-a3b}" \
+  --new-tokens "${NEW_TOKENS:-64}" --repeats 2 --max-bs 4 \
   --cache-ratios "$ratios" --out-dir "$out" "${systems[@]}"

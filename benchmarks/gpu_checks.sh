@@ -19,6 +19,12 @@ eq="$here/gpu_equality.py"
 # FP4: the Triton MoE runner (GPT-OSS would take triton_kernel, which FreeToken refuses); no
 # prefill CUDA graphs, whose capture made the tiny engines' start pass 190 s (Session 22).
 fp4='{"moe_runner_backend": "triton", "disable_prefill_cuda_graph": true}'
+for part in $parts; do
+  case $part in tests|bf16|fp8|mxfp4|nvfp4) ;;
+    *) echo "gpu_checks.sh: unknown part '$part'; choose from: tests bf16 fp8 mxfp4 nvfp4" >&2
+       exit 2 ;;
+  esac
+done
 failed=()
 for part in $parts; do
   case $part in
@@ -32,7 +38,6 @@ for part in $parts; do
              --bandwidth "$bw" --common-args "$fp4" --out "$out/gpu_equality_mxfp4.json" ;;
     nvfp4) python3 "$eq" --quant nvfp4 --miss-policies fill,qstar --bandwidth "$bw" \
              --common-args "$fp4" --out "$out/gpu_equality_nvfp4.json" ;;
-    *) echo "unknown part $part (tests bf16 fp8 mxfp4 nvfp4)"; exit 2 ;;
   esac > "$out/$part.log" 2>&1
   rc=$?
   echo "$part: exit $rc (log $out/$part.log)"

@@ -7,9 +7,10 @@ cycling, trace layers spread over the shape's MoE layers as ``--freetoken-replay
 does) through the server's own decision (``cache.residency.decide_reference``, the kernel's
 tested reference) for each miss policy (``miss_policy.MissPolicy``). As ``bench_decode.py
 --cache-ratios`` runs a server, the cache starts all resident and is shrunk to each ratio in
-turn (``cache/resize.py``), bs 1 then bs 4 at each, ``--warm-steps`` unmeasured steps first. Each layer call then costs, in microseconds,
+turn (``cache/resize.py``), bs 1 then bs 4 at each, ``--warm-steps`` unmeasured steps first.
+Each layer call then costs, in microseconds,
 
-    all-hit layer time (``--step-us``: stock's step time / L)
+    all-hit layer time (stock's step time at ``--stock-tok-s``, over L)
     + max(fill branch, CPU branch),
     fill branch = F_P + q S / B_P                                   (q fills; 0 if none)
     CPU branch  = F_H + the c CPU experts' S bytes read at B_H - B_P while the fills run
