@@ -248,6 +248,28 @@ def test_admission_keeps_the_cache_under_a_cyclic_scan(use_kernel):
         assert state.last_use.tolist() == [16, 17, 18, 19, 20]
 
 
+def one_row_calls(use_kernel, split, num_experts, num_slots, calls):
+    """One layer's one-row calls routed to ``calls`` (lists of expert ids), through the kernel
+    or the torch reference, from an empty cache. Returns the state, the counters, each call's
+    (fill sources, fill slots) and its CPU experts."""
+    from freetoken_sglang.cache.residency import decide_reference
+
+    run = decide_reference
+    if use_kernel:
+        from freetoken_sglang.kernels.residency import decide_triton as run
+    state = ResidencyState(num_experts, num_slots, "cpu")
+    counters = torch.zeros(5, 1, dtype=torch.int64)
+    plans, cpu = [], []
+    for ids in calls:
+        d = run(state, counters, 0, num_experts, torch.tensor([ids], dtype=torch.int32),
+                torch.ones(1, len(ids)), torch.tensor([1], dtype=torch.int32), split)
+        n, c = int(d.plan.count), int(d.cpu.count)
+        plans.append((d.plan.src[:n].tolist(), d.plan.dst[:n].tolist()))
+        cpu.append(d.cpu.experts[:c].tolist())
+        check_invariants(state, num_experts)
+    return state, counters, plans, cpu
+
+
 @pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])
 @pytest.mark.parametrize("fill_reused", [False, True])
 def test_remiss_rule_fills_an_expert_the_cpu_served(use_kernel, fill_reused):
@@ -256,21 +278,9 @@ def test_remiss_rule_fills_an_expert_the_cpu_served(use_kernel, fill_reused):
     # were never used: the CPU. Call 3 misses expert 2 again, used since the oldest slot's last
     # use: the rule fills it (evicting expert 0, the least recently used); expert 4 stays on
     # the CPU. Without the rule nothing is ever filled.
-    from freetoken_sglang.cache.residency import decide_reference
-
-    run = decide_reference
-    if use_kernel:
-        from freetoken_sglang.kernels.residency import decide_triton as run
     split = MissSplit(0.0, 0, fill_reused=fill_reused)
-    state = ResidencyState(8, 2, "cpu")
-    counters = torch.zeros(5, 1, dtype=torch.int64)
-    fills, cpu = [], []
-    for ids in ([0, 1], [2, 3], [4, 2]):
-        d = run(state, counters, 0, 8, torch.tensor([ids], dtype=torch.int32),
-                torch.ones(1, 2), torch.tensor([1], dtype=torch.int32), split)
-        n, c = int(d.plan.count), int(d.cpu.count)
-        fills.append(list(zip(d.plan.src[:n].tolist(), d.plan.dst[:n].tolist())))
-        cpu.append(d.cpu.experts[:c].tolist())
+    state, counters, plans, cpu = one_row_calls(use_kernel, split, 8, 2, ([0, 1], [2, 3], [4, 2]))
+    fills = [list(zip(src, dst)) for src, dst in plans]
     if fill_reused:
         assert fills == [[(0, 0), (1, 1)], [], [(2, 0)]]
         assert cpu == [[], [2, 3], [4]]
@@ -291,22 +301,10 @@ def test_remiss_rule_counts_its_fills_in_q(use_kernel):
     #    apart, the rule would fill 2 + q*(4) = 4.
     # 4: four misses, 11-13 reused: more forced fills than q*(4) = 2, so exactly those three
     #    fill and 14 runs on the CPU (counted apart: 3 + q*(1) = 4, every miss).
-    from freetoken_sglang.cache.residency import decide_reference
-
-    run = decide_reference
-    if use_kernel:
-        from freetoken_sglang.kernels.residency import decide_triton as run
     split = MissSplit(0.5, 1, fill_reused=True)
-    state = ResidencyState(16, 6, "cpu")
-    counters = torch.zeros(5, 1, dtype=torch.int64)
-    fills, cpu = [], []
-    for ids in ([0, 1, 2, 3, 4, 5], [6, 7, 8, 9], [8, 9, 10, 11, 12, 13], [11, 12, 13, 14]):
-        d = run(state, counters, 0, 16, torch.tensor([ids], dtype=torch.int32),
-                torch.ones(1, len(ids)), torch.tensor([1], dtype=torch.int32), split)
-        n, c = int(d.plan.count), int(d.cpu.count)
-        fills.append(d.plan.src[:n].tolist())
-        cpu.append(d.cpu.experts[:c].tolist())
-        check_invariants(state, 16)
+    calls = ([0, 1, 2, 3, 4, 5], [6, 7, 8, 9], [8, 9, 10, 11, 12, 13], [11, 12, 13, 14])
+    _, _, plans, cpu = one_row_calls(use_kernel, split, 16, 6, calls)
+    fills = [src for src, _ in plans]
     assert fills == [[0, 1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11, 12, 13]]
     assert cpu == [[], [8, 9], [11, 12, 13], [14]]
 
