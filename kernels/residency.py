@@ -123,7 +123,8 @@ def _decide_kernel(
     # q of the split (rounding and the lone-miss rule, forced fills counted), computed once on
     # the host in double precision (``fill_count_after``): the kernel's float scalars are fp32.
     n_forced = tl.sum(forced.to(tl.int32), axis=0)
-    q_rest = tl.load(q_table_ptr + n_forced * (num_experts + 1) + tl.sum(rest.to(tl.int32), axis=0))
+    n_rest = tl.sum(rest.to(tl.int32), axis=0)
+    q_rest = tl.load(q_table_ptr + n_forced * (num_experts + 1) + n_rest)
     q_rest = tl.minimum(q_rest, tl.sum(eligible.to(tl.int32), axis=0))
     erank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
     fillm = forced | (eligible & (erank < q_rest))
@@ -215,7 +216,7 @@ def q_table(split: MissSplit, num_experts: int, device) -> torch.Tensor:
         # No host-to-device copy inside a capture: the graph computes it on the device.
         on = device if capturing else torch.device("cpu")
         r = torch.arange(num_experts + 1, dtype=torch.int64, device=on)
-        f = r.unsqueeze(1) if split.fill_reused else torch.zeros(1, 1, dtype=torch.int64, device=on)
+        f = r.unsqueeze(1) if split.fill_reused else torch.zeros_like(r[:1]).unsqueeze(1)
         table = fill_count_after(f, r.unsqueeze(0), split).reshape(-1).to(torch.int32)
         if capturing:
             return table
