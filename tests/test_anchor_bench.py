@@ -57,3 +57,22 @@ def test_system_flags():
     assert ab.system_flags("ft-anchors-cuts", 0.25)[-2:] == ["--freetoken-anchor-cuts", "on"]
     assert ab.system_flags("ft-anchors-d64", 0.25)[-1] == "64"
     assert ab.anchor_distance("ft-anchors-d64") == 64 and ab.anchor_distance("stock") is None
+
+
+def test_report_compares_the_session_worst_with_stock():
+    """The TTFT columns: steady median, steady worst and the whole session's worst (first turns
+    included) over stock's on the same session."""
+
+    def recs(ttfts):
+        return [{"prompt_tokens": 4, "cached_tokens": 0, "prefill_tokens": 4, "suffix": 4,
+                 "reprefill": 4, "edited": False, "cuts": 0, "ttft_s": t} for t in ttfts]
+
+    runs = [{"label": "stock", "sessions": {"W2:last_n": {"requests": recs([2.0, 0.1, 0.2, 0.4])}}},
+            {"label": "ft-anchors",
+             "sessions": {"W2:last_n": {"requests": recs([1.0, 0.5, 0.6, 1.2])}}}]
+    rows = ab.report(runs).splitlines()
+    assert "session worst / stock's" in rows[0]
+    ft = rows[-1].split(" | ")
+    assert ft[0] == "| ft-anchors" and ft[6] == "1.00 / 0.90 / 1.20"
+    # steady median 0.9 / 0.3, steady worst 1.2 / 0.4, session worst 1.2 / 2.0
+    assert ft[7] == "3.00, 3.00, 0.60 |"
