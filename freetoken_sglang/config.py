@@ -241,9 +241,10 @@ class FreeTokenConfig:
             type=_choice("auto", *_CPU_ISAS),
             help="Kernel path of the CPU expert executor: auto (default) picks the best "
             "this CPU has among portable, avx2, avx512 and avx512_bf16; amx adds AMX-BF16 "
-            "tiles for the experts of a call with at least 4 tokens (prefill CPU share, "
-            "batches; BF16 experts with hidden and intermediate sizes multiples of 32; not "
-            "yet measured on an AMX machine, so auto does not pick it).",
+            "tiles for the experts of a call with at least 8 tokens (prefill CPU share, "
+            "batches; BF16 experts with hidden and intermediate sizes multiples of 32; "
+            "measured faster from 8 tokens per expert, not yet inside a server, so auto "
+            "does not pick it).",
         ),
     )
 
