@@ -68,9 +68,10 @@
 #define FT_INTER_BLOCK 16  /* phase-1 units: 16 gate/up row pairs */
 #define FT_TILE 16         /* tiled path: 16 weight rows x 16 tokens per tile product */
 #define FT_KCHUNK 32       /* tiled path: bf16 elements of K per tile (64 bytes) */
-/* AMX tiles from 8 tokens per expert: on the GPU machine's Xeon (16 threads, 2048 x 768
- * experts) they ran 0.76-0.79x of the AVX512-BF16 path at 1-4 tokens, 1.05x at 8, 2.11x at
- * 16 and up to 3.64x at 256 (benchmarks/bench_cpu_tiles.py; RESULTS.md, Session 24). */
+/* AMX tiles from 8 tokens per expert: on the Xeon of the H100 device machine (16 threads,
+ * 2048 x 768 experts, one run) they ran 0.76-0.79x of the AVX512-BF16 path at 1-4 tokens,
+ * 1.05x at 8, 2.11x at 16 and up to 3.64x at 256; 5-7 not measured (bench_cpu_tiles.py;
+ * RESULTS.md, Session 24). */
 #define FT_DEFAULT_TILE_MIN 8
 #define FT_DEFAULT_SPIN_US 200
 

@@ -69,10 +69,10 @@ def test_report_compares_the_session_worst_with_stock():
 
     runs = [{"label": "stock", "sessions": {"W2:last_n": {"requests": recs([2.0, 0.1, 0.2, 0.4])}}},
             {"label": "ft-anchors",
-             "sessions": {"W2:last_n": {"requests": recs([1.0, 0.5, 0.6, 1.2])}}}]
+             "sessions": {"W2:last_n": {"requests": recs([1.5, 0.5, 0.6, 1.2])}}}]
     rows = ab.report(runs).splitlines()
     assert "session worst / stock's" in rows[0]
     ft = rows[-1].split(" | ")
-    assert ft[0] == "| ft-anchors" and ft[6] == "1.00 / 0.90 / 1.20"
-    # steady median 0.9 / 0.3, steady worst 1.2 / 0.4, session worst 1.2 / 2.0
-    assert ft[7] == "3.00, 3.00, 0.60 |"
+    assert ft[0] == "| ft-anchors" and ft[6] == "1.50 / 0.90 / 1.20"
+    # steady median 0.9 / 0.3, steady worst 1.2 / 0.4, session worst (first turns) 1.5 / 2.0
+    assert ft[7] == "3.00, 3.00, 0.75 |"

@@ -596,7 +596,7 @@ class CpuExpertExecutor:
     @property
     def tile_min(self) -> int:
         """Experts with at least this many tokens in a call run on AMX tiles (when
-        :attr:`tiled`)."""
+        :attr:`tiled`); 8 by default, the first count measured faster than AVX512-BF16."""
         self._require_open()
         return int(_lib.ft_executor_tile_min(self._ex))
 
