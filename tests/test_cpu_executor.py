@@ -436,14 +436,14 @@ def test_tiled_experts_match_the_reference(isa, hidden, inter, gated, bias, x_dt
     outs = {}
     with CpuExpertExecutor(banks, isa=isa, num_threads=3) as ex:
         assert ex.tiled and ex.tile_min == 8
-        for tile_min in (1, 4, 17, 10**6):
+        for tile_min in (1, 4, 8, 17, 10**6):  # 8: the default
             ex.set_tile_min(tile_min)
             outs[tile_min] = ex.run(x, rows, experts, weights, torch.zeros(tokens, hidden))
             err = rel_err(outs[tile_min], ref)
             assert err < 1e-2, f"{isa} tile_min={tile_min}: relative error {err:.3g}"
         with pytest.raises(ValueError, match="at least 1"):
             ex.set_tile_min(0)
-    for tile_min in (1, 4, 17):
+    for tile_min in (1, 4, 8, 17):
         assert not torch.equal(outs[tile_min], outs[10**6]), tile_min
     with CpuExpertExecutor(banks, isa=isa, num_threads=1) as one:  # packed once per expert
         one.set_schedule("static")
