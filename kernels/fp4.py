@@ -86,14 +86,14 @@ def _dequantize_kernel(
     r = row % R
     slot = tl.load(rows_ptr + i).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = j < half_c
+    mask = (j < half_c) & (slot >= 0)  # a -1 row (unused) reads and writes nothing
     src = (slot * R + r) * half_c
     byte = tl.load(codes_ptr + src + j, mask=mask, other=0).to(tl.int32)
     sbyte = tl.load(scales_ptr + (slot * R + r) * groups + (2 * j) // GROUP, mask=mask,
                     other=0).to(tl.int32)
     if NV:
         scale = _e4m3(sbyte)
-        s2 = tl.load(scale2_ptr + slot * halves + (r * halves) // R)
+        s2 = tl.load(scale2_ptr + tl.maximum(slot, 0) * halves + (r * halves) // R)
     else:
         scale = _e8m0(sbyte)
     lo = _e2m1(byte & 15) * scale
@@ -112,7 +112,8 @@ def _dequantize_kernel(
 
 def dequantize_fp4_rows(codes: torch.Tensor, scales: torch.Tensor,
                         scale_2: Optional[torch.Tensor], rows: torch.Tensor,
-                        dtype: torch.dtype) -> torch.Tensor:
+                        dtype: torch.dtype, out: Optional[torch.Tensor] = None
+                        ) -> torch.Tensor:
     """The experts at slot ``rows`` of one projection's banks, dequantized.
 
     Args:
@@ -121,16 +122,22 @@ def dequantize_fp4_rows(codes: torch.Tensor, scales: torch.Tensor,
             float8_e4m3fn (NVFP4).
         scale_2: NVFP4's fp32 ``[S]`` or ``[S, 2]`` (the first and second halves of the
             rows), else None.
-        rows: int ``[n]`` slot rows.
+        rows: int ``[n]`` slot rows; a -1 row is unused: nothing is read for it and its
+            output is left unwritten (reading slot -1 would fall before the banks).
         dtype: the output dtype.
+        out: optional contiguous ``[n, R, C]`` of ``dtype`` to write into.
 
     Returns:
         ``[n, R, C]`` in ``dtype``, bit-identical to ``experts.formats.dequantize_mxfp4`` /
-        ``dequantize_nvfp4`` of ``codes[rows]`` (and its scales).
+        ``dequantize_nvfp4`` of ``codes[rows]`` (and its scales) on rows >= 0.
     """
     s, r, half_c = codes.shape
     n = rows.numel()
-    out = torch.empty((n, r, 2 * half_c), dtype=dtype, device=codes.device)
+    if out is None:
+        out = torch.empty((n, r, 2 * half_c), dtype=dtype, device=codes.device)
+    elif out.shape != (n, r, 2 * half_c) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape "
+                         f"{(n, r, 2 * half_c)}, got {out.dtype} {tuple(out.shape)}")
     if n == 0:
         return out
     nv = scale_2 is not None

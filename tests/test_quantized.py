@@ -126,6 +126,17 @@ def test_fp4_kernel_matches_the_definitions_and_a_call_dequantizes_its_distinct_
     nv_scale = e4m3[torch.randint(0, e4m3.numel(), (2, 4, 4), generator=g)]
     out = dequantize_fp4_rows(w, scale, None, torch.tensor([1, -1]), torch.float32)
     assert torch.equal(out[0], dequantize_mxfp4(w[1:], scale[1:], torch.float32)[0])
+    # a -1 row (unused) reads and writes nothing: here the bytes before the banks (an expert
+    # of the same shape) are readable; on the GPU they may be unmapped (an illegal address)
+    nv_big = torch.cat([nv_scale[:1], nv_scale])
+    for sc, s2 in ((torch.cat([scale[:1], scale]), None),
+                   (nv_big, torch.tensor([0.5, 0.3, 1.7]))):
+        out = torch.full((2, 4, 64), 123.0)
+        dequantize_fp4_rows(torch.cat([w[:1], w])[1:], sc[1:], None if s2 is None else s2[1:],
+                            torch.tensor([1, -1]), torch.float32, out=out)
+        assert torch.equal(out[1], torch.full((4, 64), 123.0))
+        assert torch.equal(out[0], dequantize_fp4_rows(
+            w, sc[1:], None if s2 is None else s2[1:], torch.tensor([1]), torch.float32)[0])
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert torch.equal(dequantize_fp4_rows(w, scale, None, rows, dtype),
                            dequantize_mxfp4(w[rows], scale[rows], dtype))
