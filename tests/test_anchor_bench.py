@@ -76,3 +76,24 @@ def test_report_compares_the_session_worst_with_stock():
     assert ft[0] == "| ft-anchors" and ft[6] == "1.50 / 0.90 / 1.20"
     # steady median 0.9 / 0.3, steady worst 1.2 / 0.4, session worst (first turns) 1.5 / 2.0
     assert ft[7] == "3.00, 3.00, 0.75 |"
+
+
+def test_ttft_bound_splits_the_non_resident_experts_between_pcie_and_the_cpu():
+    from benchmarks import ttft_bound as tb
+
+    shape = tb.Shape(layers=2, experts=4, top_k=2, hidden=8, inter=4)  # S = 192 bytes
+    # PCIe 192 B in 1 us; the CPU reads in 0.5 us, computes in 3 us (flat, then x tokens)
+    m = tb.Machine(b_p=192e-3, b_h=384e-3, cpu_us=((1, 3.0), (4, 3.0)), hidden=8, inter=4)
+    assert tb.cpu_time_us(m, shape, 8) == 6.0  # proportional beyond the last count
+    # cache 0.5: 2 of 4 experts missing per layer; 100 tokens hit every one (1 - 0.5^100);
+    # t = 50 tokens per expert: h = 3 x 50 / 4 = 37.5 us, p = 1 us
+    assert abs(tb.turn_bound_s(m, shape, 0.5, 100) - 4 / (1 + 1 / 37.5) * 1e-6) < 1e-12
+    # h = 3 us: 2 layers x 2 experts / (1/1 + 1/3) = 3 us
+    big = tb.Machine(b_p=192e-3, b_h=384e-3, cpu_us=((1, 3.0), (1000, 3.0)), hidden=8,
+                     inter=4)
+    assert abs(tb.turn_bound_s(big, shape, 0.5, 100) - 3.0e-6) < 1e-12
+    # one token: each missing expert is hit with probability 1/2
+    assert abs(tb.turn_bound_s(big, shape, 0.5, 1) - 1.5e-6) < 1e-12
+    assert tb.turn_bound_s(big, shape, 1.0, 100) == 0.0
+    # the bound falls linearly in the missing experts: 1.5 us needs 1 missing: ratio 0.75
+    assert abs(tb.ratio_for(big, shape, 0.5, 100, 1.5e-6) - 0.75) < 1e-6
