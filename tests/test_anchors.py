@@ -161,6 +161,124 @@ def test_anchor_server_args(tiny_checkpoint):
     assert kw["mamba_radix_cache_strategy"] == "no_buffer"
 
 
+# ---- anchor states inside a forward, against the recurrence run up to each anchor -------
+
+
+def _fake_gdn(monkeypatch, chunk_states: bool, device: str = "cpu"):
+    """A gated-DeltaNet layer on SGLang's kernels (the CPU stand-in's on the CPU, the Triton
+    conv and chunked delta rule on CUDA), called as ``GDNAttnBackend.forward_extend`` is
+    (``original(backend, layer, batch, x, a, b)``), with slot-indexed conv and recurrent
+    states; its dispatcher returns the chunk-start states ``h`` or not."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.nn.functional as F
+
+    if device == "cpu":
+        from sgl_kernel.mamba import causal_conv1d_fn_cpu as conv_fn
+        from sgl_kernel.mamba import chunk_gated_delta_rule_cpu
+
+        monkeypatch.setenv("SGL_STUB_GDN_CHUNK_STATES", "1" if chunk_states else "0")
+        H, K, dtype = 2, 4, torch.float32
+
+        def kernel(q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, **_):
+            return chunk_gated_delta_rule_cpu(q, k, v, g, beta, ssm_states, query_start_loc,
+                                              False, True, cache_indices)
+    else:
+        from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
+        from sglang.srt.layers.attention.mamba.causal_conv1d import causal_conv1d_fn as conv_fn
+
+        triton_extend = TritonGDNKernel().extend
+        H, K, dtype = 2, 64, torch.bfloat16
+
+        def kernel(*args, **kw):
+            o, final, h = triton_extend(*args, **kw)
+            return o, final, h if chunk_states else None
+
+    g = torch.Generator().manual_seed(0)
+    slots, D = 16, 3 * H * K
+    weight = torch.randn(D, 4, generator=g).div(2).to(device, dtype)
+    conv = torch.zeros(slots, D, 3, device=device, dtype=dtype)
+    ssm = torch.zeros(slots, H, K, K, device=device)
+
+    def original(backend, layer, batch, x, a, b, **_):
+        meta = backend.forward_metadata
+        y = conv_fn(x=x.T, weight=weight, bias=None, activation="silu",
+                    conv_states=conv, has_initial_state=batch.extend_prefix_lens > 0,
+                    cache_indices=meta.mamba_cache_indices,
+                    query_start_loc=meta.query_start_loc,
+                    seq_lens_cpu=batch.extend_seq_lens_cpu).T
+        q, k, v = (t.reshape(1, -1, H, K) for t in y.split(H * K, dim=-1))
+        return backend.kernel_dispatcher.extend(
+            q, k, v, -F.softplus(a.float())[None], torch.sigmoid(b.float())[None],
+            ssm_states=ssm, cache_indices=meta.mamba_cache_indices,
+            query_start_loc=meta.query_start_loc)[0]
+
+    cache = SimpleNamespace(conv=[conv], temporal=ssm)
+    backend = SimpleNamespace(
+        req_to_token_pool=SimpleNamespace(mamba2_layer_cache=lambda layer_id: cache),
+        kernel_dispatcher=SimpleNamespace(extend=kernel))
+    return backend, original, conv, ssm
+
+
+def check_inside_states(monkeypatch, chunk_states: bool, device: str = "cpu",
+                        rtol: float = 1e-5):
+    """``anchors.inside.replay`` after the stock call of a two-sequence extend: the second
+    sequence (prefix 5, 200 new tokens) takes states at anchors in chunks 0-3, on and off
+    the 64-token chunk starts; each equals its request's recurrence run from its initial state
+    to the anchor in one call (conv windows exactly, recurrent states within ``rtol`` of the
+    largest entry)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from freetoken_sglang.anchors import inside
+
+    backend, original, conv, ssm = _fake_gdn(monkeypatch, chunk_states, device)
+    g = torch.Generator().manual_seed(1)
+    lens, start, req = [70, 200], 5, 1  # sequence 0 in slot 0, sequence 1 in slot 1
+    dev = dict(device=device)
+    i32 = dict(device=device, dtype=torch.int32)
+    x = torch.randn(sum(lens), conv.shape[1], generator=g).to(device, conv.dtype)
+    a, b = (torch.randn(sum(lens), ssm.shape[1], generator=g).to(device) for _ in range(2))
+    conv[req] = torch.randn(conv.shape[1:], generator=g).to(device, conv.dtype)
+    ssm[req] = 0.1 * torch.randn(ssm.shape[1:], generator=g).to(device)
+    init = conv[req].clone(), ssm[req].clone()
+    positions = (start + 40, start + 64, start + 100, start + 128, start + 199)
+    phys = torch.arange(4, 4 + len(positions), **dev)
+    snap = inside.Snapshots(row=lens[0], start=start, positions=positions, slots=phys,
+                            phys=phys, req_slot=torch.tensor([req], **dev))
+    mode = SimpleNamespace(name="EXTEND")
+    batch = SimpleNamespace(forward_mode=mode, extend_seq_lens_cpu=lens,
+                            extend_prefix_lens=torch.tensor([0, start], **dev))
+    meta = SimpleNamespace(query_start_loc=torch.tensor([0, lens[0], sum(lens)], **i32),
+                           mamba_cache_indices=torch.tensor([0, req], **i32),
+                           has_mamba_track_mask=False)
+    backend.forward_metadata = meta
+    layer = SimpleNamespace(layer_id=0)
+    out = inside.replay(backend, original, layer, batch, x, a, b, [snap], {})
+    assert backend.forward_metadata is meta and out.shape[1] == sum(lens)
+    assert ("segments" not in snap.built) == chunk_states
+    for i, p in enumerate(positions):  # the reference: one call from the initial state
+        conv[15], ssm[15] = init
+        n, r = p - start, slice(lens[0], lens[0] + p - start)
+        backend.forward_metadata = SimpleNamespace(
+            query_start_loc=torch.tensor([0, n], **i32),
+            mamba_cache_indices=torch.tensor([15], **i32))
+        one = SimpleNamespace(forward_mode=mode, extend_seq_lens_cpu=[n],
+                              extend_prefix_lens=torch.tensor([start], **dev))
+        original(backend, layer, one, x[r], a[r], b[r])
+        assert torch.equal(conv[phys[i]], conv[15]), p
+        err = (ssm[phys[i]] - ssm[15]).abs().max() / ssm[15].abs().max()
+        assert err <= rtol, (p, float(err))
+
+
+@pytest.mark.parametrize("chunk_states", [True, False])
+def test_anchor_states_inside_a_forward_equal_the_recurrence_up_to_each_anchor(monkeypatch,
+                                                                             chunk_states):
+    check_inside_states(monkeypatch, chunk_states)
+
+
 # ---- end to end on the CPU-run SGLang (tiny Qwen3-Next, 25% cache) ------------------------
 
 NEW = 4
@@ -223,6 +341,9 @@ def test_edited_agent_sessions_re_prefill_only_after_the_deepest_anchor(hybrid, 
     from test_hybrid_cpu import CACHE_25, chat_ids
 
     monkeypatch.setenv("SGLANG_MAMBA_CONV_DTYPE", "float32")  # test_hybrid_cpu says why
+    # the stand-in kernel returns chunk-start states as SGLang's Triton kernel does, so that
+    # the anchor states come from them (the GPU's path; test_hybrid_cpu runs the other)
+    monkeypatch.setenv("SGL_STUB_GDN_CHUNK_STATES", "1")
     tok = AutoTokenizer.from_pretrained(hybrid)
     ids = [(tok.convert_tokens_to_ids(m),) for m in DEFAULT_MARKERS]
     # one chunk per prompt: the only states inside a prompt are the anchors' own
@@ -270,6 +391,7 @@ def test_edited_agent_sessions_re_prefill_only_after_the_deepest_anchor(hybrid, 
     assert stats["restores"] >= len(sessions) and stats["states_evicted"] == 0
     assert stats["cuts"] == "inside" and stats["snaps_missed"] == 0
     assert stats["states_snapped"] > 0  # the anchors inside each prompt
+    assert stats["snapped_from_chunks"] == stats["states_snapped"]
     assert (stats["reprefill_tokens"] - before["reprefill_tokens"]
             == sum(len(p) for p in sent) - sum(want_cached.values()))
     assert stats["requests"] - before["requests"] == len(sent)

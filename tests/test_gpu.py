@@ -473,3 +473,13 @@ def test_cpu_branch_doorbell_runs_only_with_cpu_items():
             branch.check()
         finally:
             branch.close()
+
+
+@pytest.mark.parametrize("chunk_states", [True, False])
+def test_anchor_states_inside_a_forward_from_the_triton_kernels(monkeypatch, chunk_states):
+    """``anchors.inside.replay`` over SGLang's Triton conv and chunked gated delta rule: the
+    anchor states from the kernel's chunk-start states (BF16) and from the segment replay
+    against the recurrence run to each anchor (``test_anchors.check_inside_states``)."""
+    from test_anchors import check_inside_states
+
+    check_inside_states(monkeypatch, chunk_states, "cuda", rtol=2e-2)

@@ -2,18 +2,21 @@
 
 For each request of an extend with anchors strictly inside it, a mamba slot per anchor is
 reserved before the forward (``reserve``). Each gated-DeltaNet layer call then runs as stock
-SGLang runs it, and afterwards replays the request's pre-convolution inputs segment by
-segment, from its initial state up to each anchor, through the same backend call
-(``GDNAttnBackend.forward_extend`` on a one-sequence view), leaving the state at each anchor
-in its slot (``replay``). When SGLang next caches the request (``cache_unfinished_req``),
-each anchor state is inserted as if a chunk had ended there (``insert``). Only the recurrent
-layers run twice, over the tokens up to the last anchor; the MoE layers and the expert stream
-run once.
+SGLang runs it and afterwards leaves the state at each anchor in its slot (``replay``): from
+the chunk-start states the stock call's chunked kernel computes anyway (``h``: the state at
+every 64th token, as SGLang's own ``extra_buffer`` tracking reads them), each anchor's state
+is its chunk's start state advanced over the anchor's offset in the chunk, all anchors of a
+request in one batched backend call (``GDNAttnBackend.forward_extend`` on a view of one
+sequence per anchor). Where the kernel returns no ``h`` (SGLang's CPU kernels), the inputs are
+replayed segment by segment, from the initial state up to each anchor, one call per anchor.
+When SGLang next caches the request (``cache_unfinished_req``), each anchor state is inserted
+as if a chunk had ended there (``insert``). The MoE layers and the expert stream run once.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import List, Optional, Tuple
@@ -43,7 +46,7 @@ class Snapshots:
     phys: torch.Tensor
     req_slot: torch.Tensor
     layers: set = field(default_factory=set)
-    views: list = field(default_factory=list)  # per segment (metadata, batch view), built once
+    built: dict = field(default_factory=dict)  # per forward: index tensors and views
 
 
 def reserve(batch, req_to_token_pool, tree_cache, anchors) -> List[Snapshots]:
@@ -101,9 +104,15 @@ def _alloc(pool, tree_cache, n: int) -> Optional[torch.Tensor]:
     return pool.mamba_allocator.alloc(n)
 
 
+# Tokens per chunk of SGLang's chunked gated-delta kernel
+# (sglang.kernels.ops.attention.fla.chunk.CHUNK_SIZE): ``h`` holds each chunk's start state.
+CHUNK = 64
+
+
 def replay(backend, original, layer, forward_batch, mixed_qkv, a, b, snaps, kwargs):
-    """One recurrent layer's extend with anchor states: the stock call, then per request the
-    segments from its initial state to each anchor replayed into the anchor's slot.
+    """One recurrent layer's extend with anchor states: the stock call, then each request's
+    anchor states written into the anchors' slots (from the chunk-start states where the
+    kernel returns them, else by replaying each segment).
 
     Args:
         backend: the ``GDNAttnBackend``; ``original`` its unwrapped ``forward_extend``.
@@ -114,58 +123,150 @@ def replay(backend, original, layer, forward_batch, mixed_qkv, a, b, snaps, kwar
         The stock call's output, unchanged.
     """
     cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
-    states = (cache.conv[0], cache.temporal)
+    conv, ssm = cache.conv[0], cache.temporal
     saved = []
     with torch.no_grad():
         for s in snaps:
-            last = s.positions[-1] - s.start
-            rows = slice(s.row, s.row + last)
-            # the inputs and the initial state, before the stock call updates them in place
-            saved.append((mixed_qkv[rows].clone(), a[rows].clone(), b[rows].clone()))
-            first = s.phys[:1]
-            for t in states:
-                if s.start > 0:
-                    t[first] = t[s.req_slot]
-                else:
-                    t[first] = 0
-    out = original(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+            rows = slice(s.row, s.row + s.positions[-1] - s.start)
+            # the inputs and the initial states, before the stock call updates them in place
+            init = tuple(t[s.req_slot].clone() if s.start > 0 else
+                         torch.zeros_like(t[s.req_slot]) for t in (conv, ssm))
+            saved.append((mixed_qkv[rows].clone(), a[rows].clone(), b[rows].clone(), init))
+    out, h = _stock_call_keeping_h(backend, original, layer, forward_batch, mixed_qkv, a, b,
+                                   kwargs)
+    offsets = _h_offsets(forward_batch, h)
     meta = backend.forward_metadata
     try:
         with torch.no_grad():
-            for s, (x, aa, bb) in zip(snaps, saved):
-                if not s.views:  # the same for every layer of this forward
-                    done = s.start
-                    for i, p in enumerate(s.positions):
-                        view = SimpleNamespace(
-                            forward_mode=forward_batch.forward_mode,
-                            extend_prefix_lens=torch.tensor([done], device=mixed_qkv.device),
-                            extend_seq_lens_cpu=[p - done],
-                        )
-                        s.views.append((_one_sequence(meta, p - done, s.phys[i:i + 1]), view))
-                        done = p
-                done = s.start
-                for i, p in enumerate(s.positions):
-                    if i > 0:
-                        for t in states:
-                            t[s.phys[i:i + 1]] = t[s.phys[i - 1:i]]
-                    lo, hi = done - s.start, p - s.start
-                    backend.forward_metadata, view = s.views[i]
-                    original(backend, layer, view, x[lo:hi], aa[lo:hi], bb[lo:hi], **kwargs)
-                    done = p
+            for s, (x, aa, bb, init) in zip(snaps, saved):
+                if offsets is not None and s.row in offsets:
+                    _from_chunks(backend, original, layer, forward_batch, meta, s, x, aa, bb,
+                                 init, h, offsets[s.row], conv, ssm, kwargs)
+                else:
+                    _by_segments(backend, original, layer, forward_batch, meta, s, x, aa, bb,
+                                 init, conv, ssm, kwargs)
                 s.layers.add(layer.layer_id)
     finally:
         backend.forward_metadata = meta
     return out
 
 
-def _one_sequence(meta, n: int, slot: torch.Tensor):
-    """The backend's forward metadata for one sequence of ``n`` tokens in ``slot``, with no
+def _stock_call_keeping_h(backend, original, layer, forward_batch, mixed_qkv, a, b, kwargs):
+    """The stock call, and the chunk-start states ``h`` ``[1, chunks, HV, V, K]`` its kernel
+    dispatcher's ``extend`` returned (None where it returned none)."""
+    disp = getattr(backend, "kernel_dispatcher", None)
+    if disp is None or not hasattr(disp, "extend"):
+        return original(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs), None
+    box = {}
+    own = vars(disp).get("extend")
+    inner = disp.extend
+
+    def extend(*args, **kw):
+        res = inner(*args, **kw)
+        box["h"] = res[2] if isinstance(res, tuple) and len(res) == 3 else None
+        return res
+
+    disp.extend = extend
+    try:
+        out = original(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+    finally:
+        if own is None:
+            del disp.extend
+        else:
+            disp.extend = own
+    return out, box.get("h")
+
+
+def _h_offsets(forward_batch, h) -> Optional[dict]:
+    """``{first extend row of a sequence: its first chunk in h}``, or None when ``h`` is
+    missing or does not hold one state per ``CHUNK`` tokens of every sequence."""
+    if not isinstance(h, torch.Tensor) or h.dim() != 5 or h.shape[0] != 1:
+        return None
+    lens = getattr(forward_batch, "extend_seq_lens_cpu", None)
+    if lens is None:
+        return None
+    lens = [int(n) for n in lens]
+    out, row, chunk = {}, 0, 0
+    for n in lens:
+        out[row] = chunk
+        row, chunk = row + n, chunk + ((n - 1) // CHUNK + 1 if n > 0 else 0)
+    return out if chunk == h.shape[1] else None
+
+
+def _from_chunks(backend, original, layer, forward_batch, meta, s, x, aa, bb, init, h, first,
+                 conv, ssm, kwargs):
+    """Each anchor's state from its chunk's start state (``h``, or the initial state for the
+    first chunk) and conv window (the ``W`` inputs before the chunk), advanced over the
+    anchor's offset in the chunk by one backend call over every anchor with an offset."""
+    if "chunks" not in s.built:  # the same for every layer of this forward
+        rel = [p - s.start for p in s.positions]
+        c = [r // CHUNK for r in rel]
+        dev = x.device
+        # the window before chunk start q: inputs q - W .. q - 1 of [initial window, x]
+        win = torch.tensor([[CHUNK * ci + k for k in range(conv.shape[-1])] for ci in c],
+                           device=dev)
+        sel = [i for i, r in enumerate(rel) if r % CHUNK]
+        seg = None
+        if sel:
+            lens = [rel[i] % CHUNK for i in sel]
+            rows = torch.cat([torch.arange(CHUNK * c[i], rel[i]) for i in sel]).to(dev)
+            view = SimpleNamespace(
+                forward_mode=forward_batch.forward_mode,
+                extend_prefix_lens=torch.ones(len(sel), dtype=torch.int64, device=dev),
+                extend_seq_lens_cpu=lens,
+            )
+            slots = s.phys[torch.tensor(sel, device=s.phys.device)]
+            seg = (_sequences(meta, lens, slots), view, rows)
+        s.built["chunks"] = (torch.tensor([first + ci for ci in c], device=h.device),
+                             torch.tensor([ci == 0 for ci in c], device=h.device), win, seg)
+    idx, zero, win, seg = s.built["chunks"]
+    start = h[0].index_select(0, idx).to(ssm.dtype)  # [n, HV, V, K]
+    start = torch.where(zero[:, None, None, None], init[1].to(start.device), start)
+    ssm[s.phys] = start.to(ssm.device)
+    xx = torch.cat([init[0][0].transpose(0, 1).to(x.dtype), x], 0)  # [W + rows, D]
+    conv[s.phys] = xx[win].transpose(1, 2).to(conv.dtype)  # [n, D, W]
+    if seg is not None:
+        backend.forward_metadata, view, rows = seg
+        original(backend, layer, view, x[rows], aa[rows], bb[rows], **kwargs)
+
+
+def _by_segments(backend, original, layer, forward_batch, meta, s, x, aa, bb, init, conv, ssm,
+                 kwargs):
+    """Each segment, from the initial state to the first anchor and from each anchor to the
+    next, replayed into the next anchor's slot (one backend call per anchor)."""
+    for t, v in zip((conv, ssm), init):
+        t[s.phys[:1]] = v
+    if "segments" not in s.built:  # the same for every layer of this forward
+        views, done = [], s.start
+        for i, p in enumerate(s.positions):
+            view = SimpleNamespace(
+                forward_mode=forward_batch.forward_mode,
+                extend_prefix_lens=torch.tensor([done], device=x.device),
+                extend_seq_lens_cpu=[p - done],
+            )
+            views.append((_sequences(meta, [p - done], s.phys[i:i + 1]), view))
+            done = p
+        s.built["segments"] = views
+    done = s.start
+    for i, p in enumerate(s.positions):
+        if i > 0:
+            for t in (conv, ssm):
+                t[s.phys[i:i + 1]] = t[s.phys[i - 1:i]]
+        lo, hi = done - s.start, p - s.start
+        backend.forward_metadata, view = s.built["segments"][i]
+        original(backend, layer, view, x[lo:hi], aa[lo:hi], bb[lo:hi], **kwargs)
+        done = p
+
+
+def _sequences(meta, lens: List[int], slots: torch.Tensor):
+    """The backend's forward metadata for sequences of ``lens`` tokens in ``slots``, with no
     state tracking of SGLang's own."""
     one = copy.copy(meta)
-    one.query_start_loc = torch.tensor([0, n], dtype=meta.query_start_loc.dtype,
+    one.query_start_loc = torch.tensor([0] + list(itertools.accumulate(lens)),
+                                       dtype=meta.query_start_loc.dtype,
                                        device=meta.query_start_loc.device)
-    one.mamba_cache_indices = slot.to(dtype=meta.mamba_cache_indices.dtype,
-                                      device=meta.mamba_cache_indices.device)
+    one.mamba_cache_indices = slots.to(dtype=meta.mamba_cache_indices.dtype,
+                                       device=meta.mamba_cache_indices.device)
     one.has_mamba_track_mask = False
     if hasattr(one, "state_checkpoint_cu_starts"):
         one.state_checkpoint_cu_starts = None
@@ -201,6 +302,8 @@ def insert(tree_cache, original, req, linear_layers: int, anchors, pin: bool = T
             free(snap.slots[i:i + 1])  # the tree holds its own copy now
             freed = i + 1
             anchors.states.snapped += 1
+            if "segments" not in snap.built:
+                anchors.states.snapped_from_chunks += 1
             if pin:
                 anchors.keep_if_planned(req, p)
     finally:

@@ -61,6 +61,7 @@ class AnchorStates:
         self.last_reprefill: Optional[int] = None
         # anchor states taken inside a forward (anchors.inside): inserted, and not had
         self.snapped = 0
+        self.snapped_from_chunks = 0  # of snapped: from the kernel's chunk-start states
         self.missed = 0
 
     # -- the radix cache's side ------------------------------------------------------------
@@ -185,5 +186,6 @@ class AnchorStates:
             "last_reprefill": self.last_reprefill,
             "reprefill_histogram": dict(zip(labels, self.hist)),
             "states_snapped": self.snapped,
+            "snapped_from_chunks": self.snapped_from_chunks,
             "snaps_missed": self.missed,
         }
