@@ -108,8 +108,9 @@ def load_machine(host_json: str, cpu_json: str, isa: str) -> Machine:
     tiles = json.load(open(cpu_json))
     rows = [r for r in tiles["rows"] if isa in r]
     if not rows:
-        raise SystemExit(f"{cpu_json} has no '{isa}' rows; it measured "
-                         f"{sorted(k for k in tiles['rows'][0] if isinstance(tiles['rows'][0][k], dict))}")
+        first = tiles["rows"][0]
+        paths = sorted(k for k, v in first.items() if isinstance(v, dict))
+        raise SystemExit(f"{cpu_json} has no '{isa}' rows; choose --isa from {paths}")
     return Machine(host["h2d_together_gbs"], host["cpu_read_together_gbs"],
                    tuple((r["tokens"], r[isa]["us_per_expert"]) for r in rows),
                    tiles["hidden"], tiles["inter"])
