@@ -92,8 +92,9 @@ def turn_bound_s(m: Machine, shape: Shape, cache_ratio: float, n: int) -> float:
 
 
 def ratio_for(m: Machine, shape: Shape, cache_ratio: float, n: int, target_s: float) -> float:
-    """The least cache ratio at which ``turn_bound_s`` of ``n`` tokens is at most
-    ``target_s`` (the bound falls linearly with the non-resident experts); 1.0 if none less."""
+    """The least cache ratio (within 1e-12, bisected) at which ``turn_bound_s`` of ``n``
+    tokens is at most ``target_s`` (the bound falls with the non-resident experts, in steps
+    of whole slots); 1.0 if none less."""
     lo, hi = cache_ratio, 1.0
     if turn_bound_s(m, shape, lo, n) <= target_s:
         return lo
@@ -104,8 +105,10 @@ def ratio_for(m: Machine, shape: Shape, cache_ratio: float, n: int, target_s: fl
 
 
 def load_machine(host_json: str, cpu_json: str, isa: str) -> Machine:
-    host = json.load(open(host_json))
-    tiles = json.load(open(cpu_json))
+    with open(host_json) as f:
+        host = json.load(f)
+    with open(cpu_json) as f:
+        tiles = json.load(f)
     rows = [r for r in tiles["rows"] if isa in r]
     if not rows:
         first = tiles["rows"][0]
@@ -118,6 +121,9 @@ def load_machine(host_json: str, cpu_json: str, isa: str) -> Machine:
 
 def load_shape(name: str) -> Shape:
     cfg = servers.shape_config(name)
+    if "quantization_config" in cfg:
+        raise SystemExit(f"ttft_bound.py counts BF16 experts; {name} is quantized: choose a "
+                         "BF16 shape")
     t = cfg.get("text_config", cfg)
     return Shape(t["num_hidden_layers"], t.get("num_experts") or t["num_local_experts"],
                  t["num_experts_per_tok"], t["hidden_size"],
@@ -126,7 +132,8 @@ def load_shape(name: str) -> Shape:
 
 def sessions_of(runs_json: str) -> Dict[str, List[dict]]:
     """``{session: requests}`` of the first run of an ``anchor_bench.py`` runs file."""
-    run = json.load(open(runs_json))["runs"][0]
+    with open(runs_json) as f:
+        run = json.load(f)["runs"][0]
     return {name: s["requests"] for name, s in run["sessions"].items()}
 
 

@@ -344,8 +344,9 @@ class FreeTokenConfig:
             type=_choice("auto", "on", "inside", "off"),
             help="How anchors keep the exact state at each marker. on: a prefill chunk ends "
             "there (one more prefill forward per anchor; with streamed prefill one more pass "
-            "over the host pool). inside: the recurrent layers replay their inputs up to each "
-            "anchor inside the forward, and no chunk ends there. off: no state of their own; "
+            "over the host pool). inside: each recurrent layer takes the state at each anchor "
+            "inside the forward (from its kernel's chunk-start states, or by replaying its "
+            "inputs up to the anchor), and no chunk ends there. off: no state of their own; "
             "anchors pin the states SGLang keeps anyway (the matched prefix and the prompt "
             "end, each when a marker lies within --freetoken-anchor-min-distance). auto "
             "(default): on when every routed expert is on the GPU, else inside.",

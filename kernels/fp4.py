@@ -130,14 +130,19 @@ def dequantize_fp4_rows(codes: torch.Tensor, scales: torch.Tensor,
     Returns:
         ``[n, R, C]`` in ``dtype``, bit-identical to ``experts.formats.dequantize_mxfp4`` /
         ``dequantize_nvfp4`` of ``codes[rows]`` (and its scales) on rows >= 0.
+
+    Raises:
+        ValueError: ``out`` of another shape, dtype or device, or not contiguous.
     """
     s, r, half_c = codes.shape
     n = rows.numel()
     if out is None:
         out = torch.empty((n, r, 2 * half_c), dtype=dtype, device=codes.device)
-    elif out.shape != (n, r, 2 * half_c) or out.dtype != dtype or not out.is_contiguous():
+    elif (out.shape != (n, r, 2 * half_c) or out.dtype != dtype or not out.is_contiguous()
+          or out.device != codes.device):
         raise ValueError(f"out must be a contiguous {dtype} tensor of shape "
-                         f"{(n, r, 2 * half_c)}, got {out.dtype} {tuple(out.shape)}")
+                         f"{(n, r, 2 * half_c)} on {codes.device}, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
     if n == 0:
         return out
     nv = scale_2 is not None

@@ -3,8 +3,9 @@
 
 - ``GDNAttnBackend.forward_extend`` (around): when the forward in flight has anchor states to
   take (``anchors.inside.reserve``, set by ``patches/scheduler.py``), the stock call runs,
-  then the layer's inputs are replayed up to each anchor into the anchor's mamba slot
-  (``anchors.inside.replay``). Otherwise the stock call alone.
+  then the state at each anchor is written into the anchor's mamba slot, from the kernel's
+  chunk-start states or by replaying the layer's inputs (``anchors.inside.replay``).
+  Otherwise the stock call alone.
 """
 
 from __future__ import annotations

@@ -196,7 +196,7 @@ def _fake_gdn(monkeypatch, chunk_states: bool, device: str = "cpu"):
             return o, final, h if chunk_states else None
 
     g = torch.Generator().manual_seed(0)
-    slots, D = 16, 3 * H * K
+    slots, D = 32, 3 * H * K
     weight = torch.randn(D, 4, generator=g).div(2).to(device, dtype)
     conv = torch.zeros(slots, D, 3, device=device, dtype=dtype)
     ssm = torch.zeros(slots, H, K, K, device=device)
@@ -214,20 +214,26 @@ def _fake_gdn(monkeypatch, chunk_states: bool, device: str = "cpu"):
             ssm_states=ssm, cache_indices=meta.mamba_cache_indices,
             query_start_loc=meta.query_start_loc)[0]
 
+    class Dispatcher:  # a class method, as SGLang's kernel dispatchers have
+        def extend(self, *args, **kw):
+            return kernel(*args, **kw)
+
     cache = SimpleNamespace(conv=[conv], temporal=ssm)
     backend = SimpleNamespace(
         req_to_token_pool=SimpleNamespace(mamba2_layer_cache=lambda layer_id: cache),
-        kernel_dispatcher=SimpleNamespace(extend=kernel))
+        kernel_dispatcher=Dispatcher())
     return backend, original, conv, ssm
 
 
 def check_inside_states(monkeypatch, chunk_states: bool, device: str = "cpu",
                         rtol: float = 1e-5):
-    """``anchors.inside.replay`` after the stock call of a two-sequence extend: the second
-    sequence (prefix 5, 200 new tokens) takes states at anchors in chunks 0-3, on and off
-    the 64-token chunk starts; each equals its request's recurrence run from its initial state
-    to the anchor in one call (conv windows exactly, recurrent states within ``rtol`` of the
-    largest entry)."""
+    """``anchors.inside.replay`` after the stock call of a two-sequence extend, each sequence
+    taking anchor states: the first from no prefix (70 tokens), the second after a prefix of
+    5 (200 tokens), at anchors 1 and 2 tokens into the extend, on and just past the 64-token
+    chunk starts, twice in one chunk, and at the last token but one. Each state equals its
+    request's recurrence run from its initial state to the anchor in one call (conv windows
+    exactly, recurrent states within ``rtol`` of the largest entry); the dispatcher is left
+    as it was."""
     from types import SimpleNamespace
 
     import torch
@@ -236,41 +242,54 @@ def check_inside_states(monkeypatch, chunk_states: bool, device: str = "cpu",
 
     backend, original, conv, ssm = _fake_gdn(monkeypatch, chunk_states, device)
     g = torch.Generator().manual_seed(1)
-    lens, start, req = [70, 200], 5, 1  # sequence 0 in slot 0, sequence 1 in slot 1
+    lens, starts, reqs = [70, 200], [0, 5], [0, 1]  # sequence i in slot i
     dev = dict(device=device)
     i32 = dict(device=device, dtype=torch.int32)
     x = torch.randn(sum(lens), conv.shape[1], generator=g).to(device, conv.dtype)
     a, b = (torch.randn(sum(lens), ssm.shape[1], generator=g).to(device) for _ in range(2))
-    conv[req] = torch.randn(conv.shape[1:], generator=g).to(device, conv.dtype)
-    ssm[req] = 0.1 * torch.randn(ssm.shape[1:], generator=g).to(device)
-    init = conv[req].clone(), ssm[req].clone()
-    positions = (start + 40, start + 64, start + 100, start + 128, start + 199)
-    phys = torch.arange(4, 4 + len(positions), **dev)
-    snap = inside.Snapshots(row=lens[0], start=start, positions=positions, slots=phys,
-                            phys=phys, req_slot=torch.tensor([req], **dev))
+    conv[1] = torch.randn(conv.shape[1:], generator=g).to(device, conv.dtype)
+    ssm[1] = 0.1 * torch.randn(ssm.shape[1:], generator=g).to(device)
+    init = [(torch.zeros_like(conv[0]), torch.zeros_like(ssm[0])),
+            (conv[1].clone(), ssm[1].clone())]
+    wanted = [(2, 30, 64, 66, 69),
+              tuple(5 + r for r in (1, 2, 40, 64, 65, 66, 100, 128, 130, 198))]
+    snaps, row, free = [], 0, 2
+    for n, start, req, pos in zip(lens, starts, reqs, wanted):
+        phys = torch.arange(free, free + len(pos), **dev)
+        snaps.append(inside.Snapshots(row=row, start=start, positions=pos, slots=phys,
+                                      phys=phys, req_slot=torch.tensor([req], **dev)))
+        row, free = row + n, free + len(pos)
+    ref_slot = free
     mode = SimpleNamespace(name="EXTEND")
     batch = SimpleNamespace(forward_mode=mode, extend_seq_lens_cpu=lens,
-                            extend_prefix_lens=torch.tensor([0, start], **dev))
+                            extend_prefix_lens=torch.tensor(starts, **dev))
     meta = SimpleNamespace(query_start_loc=torch.tensor([0, lens[0], sum(lens)], **i32),
-                           mamba_cache_indices=torch.tensor([0, req], **i32),
+                           mamba_cache_indices=torch.tensor(reqs, **i32),
                            has_mamba_track_mask=False)
     backend.forward_metadata = meta
     layer = SimpleNamespace(layer_id=0)
-    out = inside.replay(backend, original, layer, batch, x, a, b, [snap], {})
+    out = inside.replay(backend, original, layer, batch, x, a, b, snaps, {})
     assert backend.forward_metadata is meta and out.shape[1] == sum(lens)
-    assert ("segments" not in snap.built) == chunk_states
-    for i, p in enumerate(positions):  # the reference: one call from the initial state
-        conv[15], ssm[15] = init
-        n, r = p - start, slice(lens[0], lens[0] + p - start)
-        backend.forward_metadata = SimpleNamespace(
-            query_start_loc=torch.tensor([0, n], **i32),
-            mamba_cache_indices=torch.tensor([15], **i32))
-        one = SimpleNamespace(forward_mode=mode, extend_seq_lens_cpu=[n],
-                              extend_prefix_lens=torch.tensor([start], **dev))
-        original(backend, layer, one, x[r], a[r], b[r])
-        assert torch.equal(conv[phys[i]], conv[15]), p
-        err = (ssm[phys[i]] - ssm[15]).abs().max() / ssm[15].abs().max()
-        assert err <= rtol, (p, float(err))
+    assert "extend" not in vars(backend.kernel_dispatcher)
+    for s, (c0, s0) in zip(snaps, init):
+        assert ("segments" not in s.built) == chunk_states
+        for i, p in enumerate(s.positions):  # the reference: one call from the initial state
+            conv[ref_slot], ssm[ref_slot] = c0, s0
+            n, r = p - s.start, slice(s.row, s.row + p - s.start)
+            backend.forward_metadata = SimpleNamespace(
+                query_start_loc=torch.tensor([0, n], **i32),
+                mamba_cache_indices=torch.tensor([ref_slot], **i32))
+            one = SimpleNamespace(forward_mode=mode, extend_seq_lens_cpu=[n],
+                                  extend_prefix_lens=torch.tensor([s.start], **dev))
+            original(backend, layer, one, x[r], a[r], b[r])
+            assert torch.equal(conv[s.phys[i]], conv[ref_slot]), p
+            err = (ssm[s.phys[i]] - ssm[ref_slot]).abs().max() / ssm[ref_slot].abs().max()
+            assert err <= rtol, (p, float(err))
+    # the stock call raising leaves the dispatcher as it was
+    with pytest.raises(RuntimeError, match="stock"):
+        inside.replay(backend, lambda *a, **k: (_ for _ in ()).throw(RuntimeError("stock")),
+                      layer, batch, x, a, b, snaps, {})
+    assert "extend" not in vars(backend.kernel_dispatcher)
 
 
 @pytest.mark.parametrize("chunk_states", [True, False])

@@ -135,6 +135,9 @@ def test_fp4_kernel_matches_the_definitions_and_a_call_dequantizes_its_distinct_
         dequantize_fp4_rows(torch.cat([w[:1], w])[1:], sc[1:], None if s2 is None else s2[1:],
                             torch.tensor([1, -1]), torch.float32, out=out)
         assert torch.equal(out[1], torch.full((4, 64), 123.0))
+    with pytest.raises(ValueError, match="out must be a contiguous torch.float32 tensor"):
+        dequantize_fp4_rows(w, scale, None, torch.tensor([1, -1]), torch.float32,
+                            out=torch.empty(2, 4, 63))
         assert torch.equal(out[0], dequantize_fp4_rows(
             w, sc[1:], None if s2 is None else s2[1:], torch.tensor([1]), torch.float32)[0])
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -6,9 +6,15 @@ SGLang runs it and afterwards leaves the state at each anchor in its slot (``rep
 the chunk-start states the stock call's chunked kernel computes anyway (``h``: the state at
 every 64th token, as SGLang's own ``extra_buffer`` tracking reads them), each anchor's state
 is its chunk's start state advanced over the anchor's offset in the chunk, all anchors of a
-request in one batched backend call (``GDNAttnBackend.forward_extend`` on a view of one
-sequence per anchor). Where the kernel returns no ``h`` (SGLang's CPU kernels), the inputs are
-replayed segment by segment, from the initial state up to each anchor, one call per anchor.
+request in one batched backend call per layer (``GDNAttnBackend.forward_extend`` on a view of
+one sequence per anchor). ``h`` is in the activations' dtype (BF16 on a GPU; SGLang's
+``chunk_gated_delta_rule_fwd_h``) where the recurrent state is FP32, so a state from it is
+rounded once to BF16 at its chunk start, as the states of SGLang's own ``extra_buffer``
+tracking are. Where the kernel returns no ``h`` (SGLang's CPU kernels, and FlashInfer's or the
+CuTe DSL prefill kernels when no checkpoint is asked for) or the forward asked for state
+checkpoints (whose ``h`` means something else), the inputs are replayed segment by segment,
+from the initial state up to each anchor, one call per anchor, in FP32; the first such
+forward logs it once.
 When SGLang next caches the request (``cache_unfinished_req``), each anchor state is inserted
 as if a chunk had ended there (``insert``). The MoE layers and the expert stream run once.
 """
@@ -17,11 +23,15 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import List, Optional, Tuple
 
 import torch
+
+logger = logging.getLogger(__name__)
+_said_segments = False  # the segment replay's reason is logged once per process
 
 # Request attribute: the Snapshots reserved for its extend in flight.
 SNAP_ATTR = "_freetoken_anchor_snaps"
@@ -35,8 +45,10 @@ class Snapshots:
     position (the matched prefix); ``positions``: anchor positions in ``(start, end)``;
     ``slots``: ``[len(positions)]`` mamba slots (the allocator's ids) and ``phys`` the same
     as indices of the state tensors; ``req_slot``: ``[1]`` the request's own slot (state
-    index); ``layers``: the recurrent layers that replayed (all of them, or the states are not
-    used).
+    index); ``layers``: the recurrent layers that wrote the states (all of them, or the
+    states are not used); ``built``: what ``replay`` computes once per forward and reuses in
+    every layer (index tensors and batch views, under ``"chunks"`` or ``"segments"``, the
+    path taken).
     """
 
     row: int
@@ -132,10 +144,12 @@ def replay(backend, original, layer, forward_batch, mixed_qkv, a, b, snaps, kwar
             init = tuple(t[s.req_slot].clone() if s.start > 0 else
                          torch.zeros_like(t[s.req_slot]) for t in (conv, ssm))
             saved.append((mixed_qkv[rows].clone(), a[rows].clone(), b[rows].clone(), init))
+    meta = backend.forward_metadata
     out, h = _stock_call_keeping_h(backend, original, layer, forward_batch, mixed_qkv, a, b,
                                    kwargs)
-    offsets = _h_offsets(forward_batch, h)
-    meta = backend.forward_metadata
+    offsets, why = _h_offsets(forward_batch, meta, h, ssm)
+    if offsets is None:
+        _say_segments(why)
     try:
         with torch.no_grad():
             for s, (x, aa, bb, init) in zip(snaps, saved):
@@ -177,20 +191,32 @@ def _stock_call_keeping_h(backend, original, layer, forward_batch, mixed_qkv, a,
     return out, box.get("h")
 
 
-def _h_offsets(forward_batch, h) -> Optional[dict]:
-    """``{first extend row of a sequence: its first chunk in h}``, or None when ``h`` is
-    missing or does not hold one state per ``CHUNK`` tokens of every sequence."""
-    if not isinstance(h, torch.Tensor) or h.dim() != 5 or h.shape[0] != 1:
-        return None
+def _h_offsets(forward_batch, meta, h, ssm) -> Tuple[Optional[dict], str]:
+    """``{first extend row of a sequence: its first chunk in h}`` when ``h`` holds the state
+    at the start of every ``CHUNK`` tokens of every sequence, each shaped as a slot of
+    ``ssm``; else None and why."""
+    if not isinstance(h, torch.Tensor):
+        return None, "the prefill kernel returns no chunk-start states"
+    if getattr(meta, "num_state_checkpoints", 0):  # FlashInfer's h: states after checkpoints
+        return None, "the forward asked for state checkpoints"
     lens = getattr(forward_batch, "extend_seq_lens_cpu", None)
-    if lens is None:
-        return None
-    lens = [int(n) for n in lens]
+    if h.dim() != 5 or h.shape[0] != 1 or h.shape[2:] != ssm.shape[1:] or lens is None:
+        return None, f"the prefill kernel's states have an unknown layout {tuple(h.shape)}"
     out, row, chunk = {}, 0, 0
-    for n in lens:
+    for n in (int(n) for n in lens):
         out[row] = chunk
         row, chunk = row + n, chunk + ((n - 1) // CHUNK + 1 if n > 0 else 0)
-    return out if chunk == h.shape[1] else None
+    if chunk != h.shape[1]:
+        return None, f"the prefill kernel returned {h.shape[1]} chunk states, not {chunk}"
+    return out, ""
+
+
+def _say_segments(why: str) -> None:
+    global _said_segments
+    if not _said_segments:
+        _said_segments = True
+        logger.info("FreeToken anchors: states inside the forward replay one segment per "
+                    "anchor (%s); snapped_from_chunks in /freetoken/stats stays 0", why)
 
 
 def _from_chunks(backend, original, layer, forward_batch, meta, s, x, aa, bb, init, h, first,
