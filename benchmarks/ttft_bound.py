@@ -24,11 +24,12 @@ from which that bound fits the target (at most ``--target`` x stock's worst).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -40,13 +41,15 @@ import servers  # noqa: E402
 class Machine:
     """Measured rates: ``b_p``, ``b_h`` (GB/s, PCIe and CPU read at once) and the executor's
     us per expert by tokens per expert, ``cpu_us`` ``[(tokens, us)]`` ascending, for experts of
-    ``hidden x inter``."""
+    ``hidden x inter``; or, with ``tflops``, a CPU computing at that rate instead (what a
+    faster executor would reach; its reads still at ``b_h``)."""
 
     b_p: float
     b_h: float
     cpu_us: Tuple[Tuple[float, float], ...]
     hidden: int
     inter: int
+    tflops: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,8 @@ def cpu_time_us(m: Machine, shape: Shape, tokens: float) -> float:
     """The executor's us for one expert at ``tokens`` tokens: linear between the measured
     counts, proportional beyond the last, the first count's time below it; scaled by the
     shape's ``hidden x inter`` over the measured one."""
+    if m.tflops:
+        return 2 * 3 * shape.hidden * shape.inter * tokens / (m.tflops * 1e6)
     pts = m.cpu_us
     scale = shape.hidden * shape.inter / (m.hidden * m.inter)
     if tokens <= pts[0][0]:
@@ -165,12 +170,18 @@ def main(argv: Sequence[str] = None) -> None:
     ap.add_argument("--stock", required=True, help="anchor_bench.py runs.json of stock")
     ap.add_argument("--ft", default=None, help="anchor_bench.py runs.json of FreeToken")
     ap.add_argument("--target", type=float, default=2.0, help="x stock's worst TTFT")
+    ap.add_argument("--cpu-tflops", type=float, default=None,
+                    help="a CPU computing at this rate instead of --cpu's measured one "
+                    "(inf: bandwidth only)")
     a = ap.parse_args(argv)
     m = load_machine(a.host, a.cpu, a.isa)
+    if a.cpu_tflops:
+        m = dataclasses.replace(m, tflops=a.cpu_tflops)
     shape = load_shape(a.shape)
     print(f"{a.shape}: {shape.layers} MoE layers x {shape.experts} experts, top-{shape.top_k}, "
           f"{shape.expert_bytes / 2**20:.2f} MiB per expert, cache {a.cache_ratio:g}; PCIe "
-          f"{m.b_p:.1f} and CPU read {m.b_h:.1f} GB/s at once; CPU path {a.isa}")
+          f"{m.b_p:.1f} and CPU read {m.b_h:.1f} GB/s at once; CPU "
+          + (f"at {m.tflops:g} TFLOPS" if m.tflops else f"path {a.isa}, measured"))
     print("\n".join(report(m, shape, a.cache_ratio, sessions_of(a.stock),
                            sessions_of(a.ft) if a.ft else {}, a.target)))
 

@@ -95,5 +95,9 @@ def test_ttft_bound_splits_the_non_resident_experts_between_pcie_and_the_cpu():
     # one token: each missing expert is hit with probability 1/2
     assert abs(tb.turn_bound_s(big, shape, 0.5, 1) - 1.5e-6) < 1e-12
     assert tb.turn_bound_s(big, shape, 1.0, 100) == 0.0
-    # the bound falls linearly in the missing experts: 1.5 us needs 1 missing: ratio 0.75
+    # a CPU at a given rate: 6 x 8 x 4 x 50 flops = 9600 flops at 1e-3 TFLOPS: 9.6 us
+    fast = tb.Machine(b_p=192e-3, b_h=384e-3, cpu_us=(), hidden=8, inter=4, tflops=1e-3)
+    assert abs(tb.cpu_time_us(fast, shape, 50) - 9.6) < 1e-9
+    assert abs(tb.turn_bound_s(fast, shape, 0.5, 100) - 4 / (1 + 1 / 9.6) * 1e-6) < 1e-12
+    # the bound falls with the missing experts: 1.5 us needs 1 missing: ratio 0.75
     assert abs(tb.ratio_for(big, shape, 0.5, 100, 1.5e-6) - 0.75) < 1e-6
