@@ -72,7 +72,7 @@ def run(model_path, new_tokens, extra, freetoken=True):
     if freetoken:
         doc = llm.get_server_info()["internal_states"][0]["freetoken"]
         stats = dict(doc["total"], prefill_stream=doc.get("prefill_stream"),
-                     cache=doc.get("cache"))
+                     cache=doc.get("cache"), anchors=doc.get("anchors"))
     llm.shutdown()
     return {"start_s": start, "sequential": seq, "batched": batch, "stats": stats,
             "logprobs": logprobs}
