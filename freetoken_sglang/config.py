@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -696,6 +697,11 @@ def apply_server_args_overrides(
         ValueError: a ServerArgs value FreeToken cannot serve with, naming the fix.
     """
     problems = []
+    path = kwargs.get("model_path")
+    if isinstance(path, str) and path.startswith(("/", "./", "../")) and not os.path.exists(path):
+        # (stock SGLang would pass it to the Hugging Face hub as a repo id and fail there)
+        problems.append(f"--model-path {path} does not exist: pass a model folder that "
+                        "exists (with its config.json) or a Hugging Face repo id")
     for name in ("tp_size", "pp_size", "dp_size", "ep_size"):
         if (kwargs.get(name) or 1) != 1:
             problems.append(f"--{name.replace('_', '-')} must be 1 (one GPU)")

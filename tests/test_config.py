@@ -208,6 +208,7 @@ def test_server_args_overrides():
         ({"enable_dp_attention": True}, "--enable-dp-attention is not supported"),
         ({"moe_a2a_backend": "deepep"}, "--moe-a2a-backend"),
         ({"disaggregation_mode": "prefill"}, "disaggregation"),
+        ({"model_path": "/nonexistent/model"}, "--model-path /nonexistent/model does not exist"),
     ]:
         with pytest.raises(ValueError, match=needle):
             ft.apply_server_args_overrides(dict(bad))
