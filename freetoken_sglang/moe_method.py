@@ -42,8 +42,9 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         self.runtime = runtime
         self.base_method = base_method
         self.format = fmt
-        # the format's quantization arguments of SGLang's Triton MoE kernels (fixed per layer)
-        self.triton_quant = fmt.triton(base_method)
+        # the format's quantization arguments of SGLang's Triton MoE kernels (fixed per layer),
+        # set by create_weights once the format has accepted base_method
+        self.triton_quant = None
         self._create_weights_original = create_weights_original
         self.ordinal = -1
         self.num_experts = 0
@@ -76,6 +77,8 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
 
         reason = self.format.supports(self.base_method)
         rt = self.runtime
+        if not reason:
+            self.triton_quant = self.format.triton(self.base_method)
         if not reason and self.triton_quant is None and rt.backend == "gpu" and \
                 rt.device.type == "cuda":
             reason = ("the GPU expert cache has no kernels for this format yet; serve it with "

@@ -227,3 +227,26 @@ def test_quantized_experts_on_the_cpu_executor(fmt, fp8_checkpoint, nvfp4_checkp
     assert bank in log
     assert_same_tokens(got, want, f"{fmt} on the C executor")
     assert stats["total"]["cpu"] == stats["total"]["reads"] > 0
+
+
+@pytest.mark.parametrize("serialized,needle", [
+    (False, "online FP8 quantization of a BF16 checkpoint (--quantization fp8) is not served"),
+    (True, "FP8 without weight_block_size"),
+])
+def test_fp8_methods_the_format_refuses_fail_with_its_reason(serialized, needle):
+    """``--quantization fp8`` on a BF16 checkpoint (no block size): the format's refusal, not
+    a TypeError from building its Triton arguments first (found by a break-it pass)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8MoEMethod
+
+    from freetoken_sglang.experts.formats import format_for_method
+    from freetoken_sglang.families import UnsupportedModelError
+    from freetoken_sglang.moe_method import FreeTokenMoEMethod
+
+    base = Fp8MoEMethod(Fp8Config(is_checkpoint_fp8_serialized=serialized))
+    fmt = format_for_method(base)
+    rt = SimpleNamespace(backend="gpu", device=torch.device("cpu"))
+    method = FreeTokenMoEMethod(rt, base, fmt, None)
+    with pytest.raises(UnsupportedModelError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        method.create_weights(torch.nn.Module(), 4, 32, 16, torch.bfloat16)

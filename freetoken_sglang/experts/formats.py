@@ -160,14 +160,14 @@ UNQUANTIZED = ExpertFormat(
 
 def _fp8_supports(base_method) -> Optional[str]:
     cfg = base_method.quant_config
+    if not cfg.is_checkpoint_fp8_serialized:
+        return ("online FP8 quantization of a BF16 checkpoint (--quantization fp8) is not "
+                "served; serve the BF16 checkpoint unquantized or an FP8 checkpoint")
     if not getattr(base_method, "block_quant", False):
         return ("FP8 without weight_block_size (per-tensor or per-channel scales) is not "
                 "served yet; FP8 with block scales is")
     if getattr(cfg, "use_mxfp8", False) or getattr(base_method, "is_fp4_expert", False):
         return "MXFP8 and FP4 experts inside an FP8 config are not served yet"
-    if not cfg.is_checkpoint_fp8_serialized:
-        return ("online FP8 quantization of a BF16 checkpoint (--quantization fp8) is not "
-                "served; serve the BF16 checkpoint unquantized or an FP8 checkpoint")
     if cfg.activation_scheme != "dynamic":
         return (f"FP8 activation_scheme {cfg.activation_scheme!r} is not served yet; "
                 "block-scaled checkpoints use 'dynamic'")
