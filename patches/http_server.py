@@ -45,7 +45,12 @@ async def freetoken_cache(request: Request):
     from freetoken_sglang import control
 
     try:
-        size = control.parse_body(await request.json())
+        body = await request.json()
+    except ValueError as e:  # (json.JSONDecodeError, an empty body)
+        return JSONResponse({"ok": False, "error": f"the body is not JSON ({e}): send "
+                             '{"gb": G} or {"slots": N}'}, status_code=400)
+    try:
+        size = control.parse_body(body)
     except ValueError as e:
         return JSONResponse({"ok": False, "error": str(e)}, status_code=400)
     answer = await control.request_resize(

@@ -272,6 +272,7 @@ def test_resize_under_load_matches_stock_sglang(tiny_checkpoint, tmp_path):
     try:
         got, answers, last_chunk = _run(ft.url, resize=True)
         bad = requests.post(ft.url + "/freetoken/cache", json={"slots": 3}, timeout=60)
+        not_json = requests.post(ft.url + "/freetoken/cache", data="slots=3", timeout=60)
         final = requests.get(ft.url + "/freetoken/stats", timeout=60).json()
         log = ft.log()
     finally:
@@ -307,5 +308,8 @@ def test_resize_under_load_matches_stock_sglang(tiny_checkpoint, tmp_path):
     assert shrink[-1]["kept"] == answers[-1][4]["cache"]["lru_slots"] == 18
     # a size below top-k is refused with a one-line reason; the cache is unchanged
     assert bad.status_code == 400 and "top-4" in bad.json()["error"]
+    assert not_json.status_code == 400
+    assert not_json.json()["error"].startswith("the body is not JSON (")
+    assert not_json.json()["error"].endswith('send {"gb": G} or {"slots": N}')
     assert final["cache"]["slots"] == 24 and final["cache"]["resizes"] == len(SIZES)
     assert log.count("GPU expert cache resized (request)") == len(SIZES)
