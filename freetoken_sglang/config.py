@@ -403,7 +403,8 @@ class FreeTokenConfig:
         """The anchor marker strings in use (``--freetoken-anchor-tokens`` or the default)."""
         from freetoken_sglang.anchors.markers import DEFAULT_MARKERS, parse_markers
 
-        return parse_markers(self.anchor_tokens) if self.anchor_tokens else DEFAULT_MARKERS
+        return (parse_markers(self.anchor_tokens) if self.anchor_tokens is not None
+                else DEFAULT_MARKERS)
 
 
 def cli_name(field_name: str) -> str:
@@ -571,7 +572,7 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
         for name in ANCHOR_FLAGS:
             if name in given:
                 problems.append(f"{cli_name(name)} has no effect with --freetoken-anchors off")
-    if cfg.anchor_tokens:
+    if cfg.anchor_tokens is not None:
         from freetoken_sglang.anchors.markers import parse_markers
 
         try:

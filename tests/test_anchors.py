@@ -3,9 +3,13 @@ cuts and kept states, the flags and the ServerArgs they imply."""
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import pytest
 
 from freetoken_sglang import config as ft
+from freetoken_sglang.errors import RefusedError
 from freetoken_sglang.anchors.markers import (DEFAULT_MARKERS, find_markers, marker_ids,
                                               parse_markers)
 from freetoken_sglang.anchors.plan import next_cut, plan
@@ -28,8 +32,28 @@ def test_marker_ids_come_from_the_tokenizer(tiny_checkpoint):
     assert len(several) > 1 and several == tuple(tok.encode("tool result:",
                                                             add_special_tokens=False))
     assert parse_markers(" <think> ,</think>") == ("<think>", "</think>")
-    with pytest.raises(ValueError, match="non-empty markers"):
-        parse_markers("<think>,,")
+    assert parse_markers("<think>,</think>,<think>") == ("<think>", "</think>")  # each once
+    for bad in ("<think>,,", ""):
+        with pytest.raises(RefusedError, match="non-empty markers"):
+            parse_markers(bad)
+    with pytest.raises(RefusedError, match="not in the model's tokenizer"):
+        marker_ids(SimpleNamespace(unk_token_id=0, encode=lambda m, **kw: [0]), ["<x>"])
+
+
+def test_a_special_looking_marker_of_several_tokens_is_warned_about(tiny_checkpoint, caplog):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint("qwen3_moe"))
+    with caplog.at_level(logging.WARNING, logger="freetoken_sglang.anchors.markers"):
+        marker_ids(tok, ["<think>", "tool result:"])
+    assert not caplog.records  # a special token, and plain text of several tokens
+    with caplog.at_level(logging.WARNING, logger="freetoken_sglang.anchors.markers"):
+        (ids,) = marker_ids(tok, ["<thnk>"])
+    assert len(ids) > 1
+    assert [r.getMessage() for r in caplog.records] == [
+        f"FreeToken anchors: marker '<thnk>' is not one token of the model's tokenizer (it "
+        f"matches as the text of {len(ids)} tokens); check its spelling against the chat "
+        "template's special tokens"]
 
 
 def test_plan_cuts_at_every_marker_beyond_the_prefix_with_distance_one():
@@ -94,9 +118,10 @@ def test_anchor_budget_must_fit_the_mamba_pool():
     from freetoken_sglang.anchors.book import Anchors, default_budget
 
     assert default_budget(64, 8) == 24
-    with pytest.raises(ValueError, match="do not fit the mamba pool of 64 states .*at most 48"):
+    # RefusedError: the scheduler's start ends with the one-line refusal, not a traceback
+    with pytest.raises(RefusedError, match="do not fit the mamba pool of 64 states .*at most 48"):
         Anchors(["<a>"], [(1,)], 32, 49).attach(object(), 64, 8, 1000, experts_on_gpu=False)
-    with pytest.raises(ValueError, match="lower --freetoken-anchor-states"):
+    with pytest.raises(RefusedError, match="lower --freetoken-anchor-states"):
         Anchors(["<a>"], [(1,)], 32, None).attach(object(), 16, 8, 1000, experts_on_gpu=False)
 
 
@@ -119,6 +144,7 @@ def test_anchor_flags():
          "--freetoken-anchor-cuts has no effect with --freetoken-anchors off"),
         ({"freetoken_backend": "cpu", "freetoken_anchor_tokens": ","}, "non-empty markers"),
         ({"freetoken_anchor_tokens": ","}, "non-empty markers"),
+        ({"freetoken_anchor_tokens": ""}, "non-empty markers"),
         ({"freetoken_anchors": "maybe"}, "invalid choice 'maybe'"),
     ]:
         with pytest.raises(ValueError, match=needle):

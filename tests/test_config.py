@@ -322,10 +322,10 @@ def test_fp4_formats_are_served_on_every_device_and_backend(device, backend):
     base = SimpleNamespace(use_marlin=False, use_flashinfer=False, use_deep_gemm=False,
                            use_triton_kernels=False)
     method = FreeTokenMoEMethod(rt, base, FORMATS["mxfp4"], original)
-    assert method.triton_quant.dequantized
     layer = SimpleNamespace(_parameters={}, layer_id=0)
     with pytest.raises(Built):
         method.create_weights(layer, 8, 64, 32, torch.bfloat16, with_bias=True)
+    assert method.triton_quant.dequantized  # set once the format accepted the method
     base.use_triton_kernels = True
     with pytest.raises(UnsupportedModelError, match="backend for it is triton_kernel, which "
                        "repacks MXFP4 experts at load and is not served; pass "

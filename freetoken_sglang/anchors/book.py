@@ -8,6 +8,7 @@ from typing import Optional, Sequence, Tuple
 from freetoken_sglang.anchors.markers import find_markers, marker_ids
 from freetoken_sglang.anchors.plan import AnchorPlan, plan
 from freetoken_sglang.anchors.states import AnchorStates
+from freetoken_sglang.errors import RefusedError
 
 logger = logging.getLogger(__name__)
 
@@ -80,14 +81,14 @@ class Anchors:
         (``experts_on_gpu``: every routed expert is resident on the GPU); logged.
 
         Raises:
-            ValueError: the mamba pool cannot hold the budget (names the flags to change).
+            RefusedError: the mamba pool cannot hold the budget (names the flags to change).
         """
         given = self.requested_budget is not None
         bound = budget_bound(mamba_slots, max_running_requests)
         budget = self.requested_budget if given else default_budget(
             mamba_slots, max_running_requests)
         if budget < 1 or budget > bound:
-            raise ValueError(
+            raise RefusedError(
                 f"--enable-freetoken: {budget} anchor states do not fit the mamba pool of "
                 f"{mamba_slots} states with {max_running_requests} running requests (at most "
                 f"{bound}): lower --freetoken-anchor-states or --max-running-requests, raise "

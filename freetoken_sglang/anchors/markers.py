@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import List, Sequence, Tuple
+
+from freetoken_sglang.errors import RefusedError
+
+logger = logging.getLogger(__name__)
 
 # The thinking, tool-call, tool-output and turn markers of Qwen's chat templates (paper §3.1).
 DEFAULT_MARKERS = (
@@ -18,14 +23,15 @@ DEFAULT_MARKERS = (
 
 
 def parse_markers(text: str) -> Tuple[str, ...]:
-    """``--freetoken-anchor-tokens`` text (comma-separated marker strings) as a tuple.
+    """``--freetoken-anchor-tokens`` text (comma-separated marker strings) as a tuple, each
+    marker once, in the order given.
 
     Raises:
-        ValueError: an empty list or an empty marker.
+        RefusedError: an empty list (``""``) or an empty marker.
     """
-    markers = tuple(m.strip() for m in text.split(","))
+    markers = tuple(dict.fromkeys(m.strip() for m in text.split(",")))
     if not markers or any(not m for m in markers):
-        raise ValueError(
+        raise RefusedError(
             f"--freetoken-anchor-tokens {text!r}: give comma-separated non-empty markers, "
             "e.g. '<think>,<tool_call>,<|im_start|>'"
         )
@@ -36,18 +42,27 @@ def marker_ids(tokenizer, markers: Sequence[str]) -> List[Tuple[int, ...]]:
     """Each marker's token ids under ``tokenizer`` (a transformers tokenizer); a marker may
     be several tokens.
 
+    A marker written as a special token (``<...>``) that encodes to several tokens is
+    logged as a warning: byte-level tokenizers encode any text, so a misspelt marker would
+    otherwise pass unnoticed (it still matches, as that text).
+
     Raises:
-        ValueError: a marker the tokenizer encodes to no tokens, or to unknown tokens.
+        RefusedError: a marker the tokenizer encodes to no tokens, or to unknown tokens.
     """
     out = []
     unk = getattr(tokenizer, "unk_token_id", None)
     for m in markers:
         ids = tuple(tokenizer.encode(m, add_special_tokens=False))
         if not ids or (unk is not None and unk in ids):
-            raise ValueError(
+            raise RefusedError(
                 f"anchor marker {m!r} is not in the model's tokenizer; pass "
                 "--freetoken-anchor-tokens with markers its chat template uses"
             )
+        if len(ids) > 1 and m.startswith("<") and m.endswith(">"):
+            logger.warning(
+                "FreeToken anchors: marker %r is not one token of the model's tokenizer (it "
+                "matches as the text of %d tokens); check its spelling against the chat "
+                "template's special tokens", m, len(ids))
         out.append(ids)
     return out
 
