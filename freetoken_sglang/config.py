@@ -695,7 +695,8 @@ def apply_server_args_overrides(
     ``__post_init__`` sees them; each change is logged.
 
     Raises:
-        ValueError: a ServerArgs value FreeToken cannot serve with, naming the fix.
+        RefusedError: a ServerArgs value FreeToken cannot serve with (or a local-looking
+            ``--model-path`` that does not exist), naming the fix.
     """
     problems = []
     path = kwargs.get("model_path")

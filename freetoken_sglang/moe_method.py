@@ -85,7 +85,8 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
                       "--freetoken-backend cpu (every routed expert on the C executor, which "
                       "reads it)")
         if reason:
-            raise UnsupportedModelError(f"--enable-freetoken ({self.format.label} experts): {reason}")
+            raise UnsupportedModelError(
+                f"--enable-freetoken ({type(self.base_method).__name__}): {reason}")
         before = set(layer._parameters)
         if extra_weight_attrs.get("weight_loader") is not None:
             extra_weight_attrs["weight_loader"] = _loading_as(

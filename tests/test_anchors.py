@@ -52,8 +52,8 @@ def test_a_special_looking_marker_of_several_tokens_is_warned_about(tiny_checkpo
     assert len(ids) > 1
     assert [r.getMessage() for r in caplog.records] == [
         f"FreeToken anchors: marker '<thnk>' is not one token of the model's tokenizer (it "
-        f"matches as the text of {len(ids)} tokens); check its spelling against the chat "
-        "template's special tokens"]
+        f"matches as the text of {len(ids)} tokens); check it against the chat template's "
+        "special tokens (--freetoken-anchor-tokens sets the list)"]
 
 
 def test_plan_cuts_at_every_marker_beyond_the_prefix_with_distance_one():

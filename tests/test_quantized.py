@@ -234,8 +234,8 @@ def test_quantized_experts_on_the_cpu_executor(fmt, fp8_checkpoint, nvfp4_checkp
     (True, "FP8 without weight_block_size"),
 ])
 def test_fp8_methods_the_format_refuses_fail_with_its_reason(serialized, needle):
-    """``--quantization fp8`` on a BF16 checkpoint (no block size): the format's refusal, not
-    a TypeError from building its Triton arguments first (found by a break-it pass)."""
+    """``--quantization fp8`` on a BF16 checkpoint, and FP8 without block scales: the format's
+    one-line refusal (its Triton arguments are built only for a method it accepts)."""
     from types import SimpleNamespace
 
     from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8MoEMethod

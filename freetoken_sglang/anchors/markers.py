@@ -61,8 +61,8 @@ def marker_ids(tokenizer, markers: Sequence[str]) -> List[Tuple[int, ...]]:
         if len(ids) > 1 and m.startswith("<") and m.endswith(">"):
             logger.warning(
                 "FreeToken anchors: marker %r is not one token of the model's tokenizer (it "
-                "matches as the text of %d tokens); check its spelling against the chat "
-                "template's special tokens", m, len(ids))
+                "matches as the text of %d tokens); check it against the chat template's "
+                "special tokens (--freetoken-anchor-tokens sets the list)", m, len(ids))
         out.append(ids)
     return out
 
