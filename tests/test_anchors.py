@@ -114,6 +114,20 @@ def test_anchor_cuts_follow_a_resize_under_auto_only():
     assert fixed.mode == "on"
 
 
+def test_a_flush_counts_the_states_it_drops():
+    """``/flush_cache`` resets the tree: its pinned states count as flushed, so that
+    kept - evicted - flushed stays the states held."""
+    from freetoken_sglang.anchors.states import AnchorStates
+
+    st = AnchorStates(None, 4, 100)
+    st.pinned[1], st.pinned[2] = (None, None), (None, None)  # (node, lock params)
+    st.kept, st.evicted = 3, 1
+    st.reset()
+    snap = st.snapshot()
+    assert (snap["states_flushed"], snap["states_held"], snap["states_kept"]) == (2, 0, 3)
+    assert snap["states_kept"] - snap["states_evicted"] - snap["states_flushed"] == 0
+
+
 def test_anchor_budget_must_fit_the_mamba_pool():
     from freetoken_sglang.anchors.book import Anchors, default_budget
 

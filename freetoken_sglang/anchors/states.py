@@ -41,7 +41,8 @@ class AnchorStates:
     unless the node is a leaf or a fork, which are left to SGLang's own LRU.
 
     Counters (``snapshot``): ``states_kept`` (pinned, ever), ``states_evicted`` (unpinned by
-    the budgets), ``states_held`` (pinned now), ``tokens_held`` (their KV), ``restores`` (admitted requests whose prefill
+    the budgets), ``states_flushed`` (dropped with the tree, ``/flush_cache``), ``states_held``
+    (pinned now: kept - evicted - flushed), ``tokens_held`` (their KV), ``restores`` (admitted requests whose prefill
     started from an anchor state), and per admitted request the re-prefilled prompt tokens
     (``reprefill_tokens`` total, ``reprefill_histogram`` by ``BUCKETS``, ``last_reprefill``).
     """
@@ -54,6 +55,7 @@ class AnchorStates:
         self.pinned: "OrderedDict[int, tuple]" = OrderedDict()
         self.kept = 0
         self.evicted = 0
+        self.flushed = 0
         self.restores = 0
         self.requests = 0
         self.reprefill_total = 0
@@ -156,6 +158,7 @@ class AnchorStates:
 
     def reset(self) -> None:
         """The tree was reset (``UnifiedRadixCache.reset``): no state is pinned any more."""
+        self.flushed += len(self.pinned)
         self.pinned.clear()
 
     # -- counters --------------------------------------------------------------------------
@@ -176,6 +179,7 @@ class AnchorStates:
         return {
             "states_kept": self.kept,
             "states_evicted": self.evicted,
+            "states_flushed": self.flushed,
             "states_held": len(self.pinned),
             "budget": self.budget,
             "tokens_held": self.pinned_tokens(),
