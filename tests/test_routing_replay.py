@@ -48,11 +48,20 @@ def test_ids_follow_the_cursor_cyclically(tmp_path):
                                               torch.from_numpy(ids[20:21, 0]).int())
 
 
-@pytest.mark.parametrize("experts,top_k", [(8, K), (E, 2)])
-def test_a_trace_of_other_experts_or_top_k_is_refused(tmp_path, experts, top_k):
+@pytest.mark.parametrize("experts,top_k", [(8, K), (E, K + 1)])
+def test_a_trace_of_other_experts_or_smaller_top_k_is_refused(tmp_path, experts, top_k):
     _synthetic(str(tmp_path / "t.npz"))
     with pytest.raises(RefusedError, match="record or train the trace with the model's"):
         RoutingReplay(str(tmp_path / "t.npz"), 4, experts, top_k, "cpu")
+
+
+def test_a_larger_top_k_replays_its_highest_ranked_ids(tmp_path):
+    ids = _synthetic(str(tmp_path / "t.npz"))
+    rp = RoutingReplay(str(tmp_path / "t.npz"), 2, E, 2, "cpu")
+    got = rp.ids_for(1, torch.zeros(3, 2, dtype=torch.int32))
+    assert torch.equal(got, torch.from_numpy(ids[0:3, 1, :2]).int())
+    assert "2 highest-ranked of the trace's top-4" in rp.describe()
+    assert (rp.snapshot()["trace_top_k"], rp.snapshot()["top_k"]) == (K, 2)
 
 
 def test_replayed_ids_reach_the_layers_and_the_counters_equal_replay_py(tiny_checkpoint,

@@ -3,8 +3,10 @@
 The trace's token rows (``observe/routing_trace.py``; all rows, or only its decode rows) are
 consumed in order by the forwards, cycling at the end: a forward of ``T`` real rows takes the
 next ``T`` rows, the same rows for every MoE layer. MoE layer ``l`` of ``L`` reads trace layer
-``l * L_trace // L`` (layers spread evenly); the number of experts and top-k must be the
-model's. The router's weights are kept (they then belong to other experts: outputs are not
+``l * L_trace // L`` (layers spread evenly); the number of experts must be the model's, and a
+trace of a larger top-k replays each token's ``k`` highest-ranked ids (its first ``k``: the
+format orders them by rank), which is the same router's top-``k`` (e.g. a top-8 trace into
+GPT-OSS's top-4). The router's weights are kept (they then belong to other experts: outputs are not
 the model's). The ids are gathered on the device from a device cursor, so CUDA graphs capture
 the replay; off, nothing runs (one attribute check per layer call).
 """
@@ -33,8 +35,8 @@ class RoutingReplay:
         phase: ``all`` (every row in order) or ``decode`` (the decode steps' rows only).
 
     Raises:
-        RefusedError: the file is not a routing trace, its E or k differ from the model's, or
-            it has no row of the phase asked for.
+        RefusedError: the file is not a routing trace, its E differs from the model's, its k
+            is smaller than the model's, or it has no row of the phase asked for.
     """
 
     def __init__(self, path: str, num_layers: int, num_experts: int, top_k: int, device,
@@ -43,13 +45,14 @@ class RoutingReplay:
             trace = RoutingTrace.load(path)
         except (OSError, ValueError, TypeError) as e:
             raise RefusedError(f"--freetoken-replay-routing {path}: {e}") from e
-        if (trace.num_experts, trace.top_k) != (num_experts, top_k):
+        if trace.num_experts != num_experts or trace.top_k < top_k:
             raise RefusedError(
                 f"--freetoken-replay-routing {path}: the trace routes top-{trace.top_k} of "
                 f"{trace.num_experts} experts, the model top-{top_k} of {num_experts}; record "
-                "or train the trace with the model's experts and top-k"
+                "or train the trace with the model's experts and at least its top-k"
             )
-        ids = trace.ids
+        ids = trace.ids[..., :top_k]  # the k highest-ranked ids of a larger top-k
+        self.trace_top_k = int(trace.top_k)
         if phase == "decode":
             keep = np.repeat(trace.phase == 1, trace.num_tokens)
             ids = ids[keep]
@@ -103,9 +106,12 @@ class RoutingReplay:
             f"ROUTING REPLAYED (benchmark only; outputs are not the model's): {self.num_rows} "
             f"{self.phase} rows of {self.path} ({what}{'; ' + str(note) if note else ''}), "
             f"trace layers {self.layers} for the model's MoE layers"
+            + (f"; each token's {self.table.shape[2]} highest-ranked of the trace's "
+               f"top-{self.trace_top_k}" if self.trace_top_k > self.table.shape[2] else "")
         )
 
     def snapshot(self) -> dict:
         return {"path": self.path, "phase": self.phase, "rows": self.num_rows,
                 "rows_used": self.rows_used, "layer_map": self.layers,
+                "trace_top_k": self.trace_top_k, "top_k": int(self.table.shape[2]),
                 "synthetic": bool(self.meta.get("synthetic")), "model": self.meta.get("model")}
