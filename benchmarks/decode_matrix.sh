@@ -13,8 +13,8 @@
 # STOCK_FLAGS=--moe-runner-backend,triton_kernel: its default runner on an H200 dequantizes the
 # MXFP4 experts to BF16 at load, 36 x 128 x 49.8 MB = 229 GB; FT_FLAGS=--moe-runner-backend,
 # triton; give it a TRACE: on dummy weights its tokens route to a few experts per layer, and
-# every cache size from 10% hit 100% in Session 27; stock died loading it on an H100 machine,
-# in the MXFP4 swizzle: run it on an H200). Each server takes 1.5-3 minutes to start on a
+# every cache size from 10% hit 100% in Session 27; stock ran out of GPU memory loading it
+# on an H100 machine, in the MXFP4 swizzle: run it on an H200). Each server takes 1.5-3 minutes to start on a
 # fresh machine plus about 30 s per ratio: split the policies over calls of 10 minutes.
 set -euo pipefail
 out=${1:?usage: decode_matrix.sh OUT_DIR [RATIOS] [TRACE.npz] [POLICIES]}

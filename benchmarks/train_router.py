@@ -538,7 +538,7 @@ def record_session(args, model, cfg, tok, name, device, path, meta_base, log, de
     E, k = cfg.num_experts, cfg.num_experts_per_tok
     meta = dict(meta_base)
     meta.update(workload=name, workload_scale=args.trace_scale, workload_seed=args.trace_seed,
-                edits=list(w.default_edits), decode_cap=args.decode_cap,
+                edits=list(w.default_edits), decode_cap=args.decode_cap, ids_ranked=True,
                 prefill_chunk=args.prefill_chunk, max_trace_tokens=args.max_trace_tokens)
     per_req = []
     stopped = None

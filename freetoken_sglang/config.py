@@ -370,8 +370,9 @@ class FreeTokenConfig:
             help="Benchmarks only: every MoE layer routes to this routing trace's top-k ids, "
             "row after row, instead of its router's (observe/routing_replay.py), so that "
             "dummy-weight runs see a recorded or trained model's routing; outputs are then "
-            "not the model's. The trace's experts and top-k must be the model's. Off by "
-            "default, and free when off.",
+            "not the model's. The trace's experts must be the model's, its top-k the model's or "
+            "a larger one in rank order (its first ids are replayed). Off by default, and "
+            "free when off.",
         ),
     )
     replay_phase: str = field(

@@ -18,12 +18,12 @@ from test_replay import R as REPLAY
 E, K = 16, 4
 
 
-def _synthetic(path, rows=50, layers=2, seed=3):
+def _synthetic(path, rows=50, layers=2, seed=3, **meta):
     """A trace unlike any router's: random distinct ids, one 20-row prefill, then decode."""
     rng = np.random.default_rng(seed)
     ids = np.stack([[rng.permutation(E)[:K] for _ in range(layers)] for _ in range(rows)])
     phase, ntok = [0] + [1] * (rows - 20), [20] + [1] * (rows - 20)
-    RoutingTrace(phase, ntok, ids, E, meta={"synthetic": True, "note": "test"}).save(path)
+    RoutingTrace(phase, ntok, ids, E, meta={"synthetic": True, "note": "test", **meta}).save(path)
     return ids
 
 
@@ -56,7 +56,10 @@ def test_a_trace_of_other_experts_or_smaller_top_k_is_refused(tmp_path, experts,
 
 
 def test_a_larger_top_k_replays_its_highest_ranked_ids(tmp_path):
-    ids = _synthetic(str(tmp_path / "t.npz"))
+    _synthetic(str(tmp_path / "u.npz"))  # ids_ranked not claimed: its top-2 is unknown
+    with pytest.raises(RefusedError, match="not marked as in rank order"):
+        RoutingReplay(str(tmp_path / "u.npz"), 2, E, 2, "cpu")
+    ids = _synthetic(str(tmp_path / "t.npz"), ids_ranked=True)
     rp = RoutingReplay(str(tmp_path / "t.npz"), 2, E, 2, "cpu")
     got = rp.ids_for(1, torch.zeros(3, 2, dtype=torch.int32))
     assert torch.equal(got, torch.from_numpy(ids[0:3, 1, :2]).int())

@@ -4,9 +4,9 @@ The trace's token rows (``observe/routing_trace.py``; all rows, or only its deco
 consumed in order by the forwards, cycling at the end: a forward of ``T`` real rows takes the
 next ``T`` rows, the same rows for every MoE layer. MoE layer ``l`` of ``L`` reads trace layer
 ``l * L_trace // L`` (layers spread evenly); the number of experts must be the model's, and a
-trace of a larger top-k replays each token's ``k`` highest-ranked ids (its first ``k``: the
-format orders them by rank), which is the same router's top-``k`` (e.g. a top-8 trace into
-GPT-OSS's top-4). The router's weights are kept (they then belong to other experts: outputs are not
+trace of a larger top-k whose ids are in rank order (meta ``ids_ranked``, or written by
+``benchmarks/train_router.py``, whose top-k is sorted) replays each token's first ``k`` ids,
+the same router's top-``k`` (e.g. the trained top-8 trace into GPT-OSS's top-4). The router's weights are kept (they then belong to other experts: outputs are not
 the model's). The ids are gathered on the device from a device cursor, so CUDA graphs capture
 the replay; off, nothing runs (one attribute check per layer call).
 """
@@ -27,6 +27,12 @@ def layer_map(trace_layers: int, model_layers: int) -> List[int]:
     return [l * trace_layers // model_layers for l in range(model_layers)]
 
 
+def ranked(meta: dict) -> bool:
+    """Whether a trace's ids run from the highest router weight down (meta ``ids_ranked``;
+    ``benchmarks/train_router.py`` sorts its top-k, also in traces written before the key)."""
+    return bool(meta.get("ids_ranked")) or meta.get("generator") == "benchmarks/train_router.py"
+
+
 class RoutingReplay:
     """Args:
         path: the trace (``.npz``).
@@ -36,7 +42,8 @@ class RoutingReplay:
 
     Raises:
         RefusedError: the file is not a routing trace, its E differs from the model's, its k
-            is smaller than the model's, or it has no row of the phase asked for.
+            is smaller than the model's, or larger without ids in rank order, or it has no
+            row of the phase asked for.
     """
 
     def __init__(self, path: str, num_layers: int, num_experts: int, top_k: int, device,
@@ -50,6 +57,13 @@ class RoutingReplay:
                 f"--freetoken-replay-routing {path}: the trace routes top-{trace.top_k} of "
                 f"{trace.num_experts} experts, the model top-{top_k} of {num_experts}; record "
                 "or train the trace with the model's experts and at least its top-k"
+            )
+        if trace.top_k > top_k and not ranked(trace.meta):
+            raise RefusedError(
+                f"--freetoken-replay-routing {path}: the trace routes top-{trace.top_k}, the "
+                f"model top-{top_k}, and its ids are not marked as in rank order (meta "
+                f"ids_ranked), so its top-{top_k} is unknown; record or train the trace with "
+                "the model's top-k"
             )
         ids = trace.ids[..., :top_k]  # the k highest-ranked ids of a larger top-k
         self.trace_top_k = int(trace.top_k)

@@ -26,6 +26,10 @@ readable with ``np.load(path, allow_pickle=False)``):
         top_k        k
         model        model name or path, or null
         synthetic    true when the routing was generated, not recorded from a model
+        ids_ranked   optional; true when each token's ids run from the highest router
+                     weight down (``benchmarks/train_router.py``'s traces are); a replay
+                     into a smaller top-k needs it (SGLang's grouped top-k does not sort,
+                     so a recorded trace does not claim it)
         ...          free-form notes (e.g. the generator's parameters, the workload)
 
 Conventions: a step's rows are real tokens only (no CUDA-graph padding rows). A batch
