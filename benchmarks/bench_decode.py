@@ -8,6 +8,11 @@ a table with ratios against the first system.
 
     python benchmarks/bench_decode.py --shape qwen3-30b-a3b \\
         --system stock: --system ft25:--enable-freetoken,--freetoken-cache-ratio,0.25
+
+With ``--cache-ratios`` each FreeToken server is resized to each ratio in turn; with
+``--then LABEL=POLICY[,FLAG,VALUE]`` the same server then changes its miss policy (POST
+/freetoken/cache, back at its starting size) and measures the ratios again, once per
+``--then``: one server start for several policies (it must start with qstar or cpu).
 """
 
 from __future__ import annotations
@@ -164,8 +169,73 @@ def measure_decode(url: str, input_len: int, new_tokens: int, repeats: int,
     return result
 
 
-def run_system(label, model_path, flags, args, sampler, log_dir) -> Dict[str, object]:
-    """Start one system, measure it, stop it."""
+# --then's flags and the POST /freetoken/cache keys they become
+THEN_FLAGS = {"--freetoken-admission": "admission", "--freetoken-fill-reused": "fill_reused"}
+
+
+def parse_then(spec: str):
+    """``LABEL=POLICY[,FLAG,VALUE...]`` -> ``(LABEL, body)`` for POST /freetoken/cache.
+
+    Raises:
+        SystemExit: a flag other than ``THEN_FLAGS``' or a bad value (one line).
+    """
+    from freetoken_sglang.control import parse_body
+
+    label, _, rest = spec.partition("=")
+    parts = [p for p in rest.split(",") if p]
+    if not label or not parts or len(parts) % 2 != 1:
+        raise SystemExit(f"--then {spec!r}: give LABEL=POLICY[,FLAG,VALUE...]")
+    body = {"miss_policy": parts[0]}
+    for flag, value in zip(parts[1::2], parts[2::2]):
+        if flag not in THEN_FLAGS:
+            raise SystemExit(f"--then {spec!r}: {flag} cannot change while serving; use "
+                             f"{' or '.join(THEN_FLAGS)}")
+        body[THEN_FLAGS[flag]] = value
+    try:
+        return label, parse_body(body)
+    except ValueError as e:
+        raise SystemExit(f"--then {spec!r}: {e}") from None
+
+
+def measure_ratios(url: str, label: str, ratios, rows: int, args) -> list:
+    """One cell per cache ratio: resize (POST /freetoken/cache), then measure_decode."""
+    cells = []
+    for ratio in ratios:
+        slots = max(1, round(ratio * rows))
+        t0 = time.perf_counter()
+        r = requests.post(url + "/freetoken/cache", json={"slots": slots}, timeout=600)
+        answer = r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
+        cell = {"ratio": ratio, "slots": slots, "resize_status": r.status_code,
+                "resize_s": time.perf_counter() - t0, "resize_answer": answer}
+        if r.status_code == 200:
+            cell.update(measure_decode(url, args.input_len, args.new_tokens,
+                                       args.repeats, max_request_s=args.max_request_s))
+        cells.append(cell)
+        print(json.dumps({"label": label, **{k: cell.get(k) for k in (
+            "ratio", "slots", "resize_s", "bs1_decode_tok_s", "bs4_total_tok_s")}}),
+              flush=True)
+    return cells
+
+
+def ft_summary(s: dict) -> dict:
+    """The parts of ``/freetoken/stats`` a result keeps."""
+    return {
+        "total": s["total"],
+        "decode": s.get("decode"),
+        "cache_slots": s["cache"]["slots"],
+        "pool_experts": s["pool"]["experts"],
+        "expert_bytes": s["pool"].get("expert_bytes"),
+        "miss_policy": s.get("miss_policy"),
+        "admission": s.get("admission"),
+        "fill_reused": s.get("fill_reused"),
+        "bandwidth": s.get("bandwidth"),
+        "load": s["load"],
+    }
+
+
+def run_system(label, model_path, flags, args, sampler, log_dir) -> List[Dict[str, object]]:
+    """Start one system, measure it (and each ``--then`` policy on it), stop it; one result
+    per policy measured."""
     flags = [
         "--load-format", "dummy", "--skip-tokenizer-init",
         "--attention-backend", "triton", "--sampling-backend", "pytorch",
@@ -183,48 +253,48 @@ def run_system(label, model_path, flags, args, sampler, log_dir) -> Dict[str, ob
         sampler.reset()
         ratios = [float(x) for x in (args.cache_ratios or "").split(",") if x]
         stats = freetoken_stats(url) if ratios else None
+        switched = []
         if stats is not None:
             # One server, several cache sizes: resize (POST /freetoken/cache) before each
             # measurement; the cache keeps its most recently used experts across a shrink.
-            result["by_ratio"] = []
-            rows = stats["pool"]["experts"]
-            for ratio in ratios:
-                slots = max(1, round(ratio * rows))
-                t0 = time.perf_counter()
-                r = requests.post(url + "/freetoken/cache", json={"slots": slots}, timeout=600)
-                answer = r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
-                cell = {"ratio": ratio, "slots": slots, "resize_status": r.status_code,
-                        "resize_s": time.perf_counter() - t0, "resize_answer": answer}
-                if r.status_code == 200:
-                    cell.update(measure_decode(url, args.input_len, args.new_tokens,
-                                               args.repeats, max_request_s=args.max_request_s))
-                result["by_ratio"].append(cell)
-                print(json.dumps({"label": label, **{k: cell.get(k) for k in (
-                    "ratio", "slots", "resize_s", "bs1_decode_tok_s", "bs4_total_tok_s")}}),
-                      flush=True)
+            rows, start_slots = stats["pool"]["experts"], stats["cache"]["slots"]
+            result["by_ratio"] = measure_ratios(url, label, ratios, rows, args)
             first = result["by_ratio"][0]
             result.update({k: v for k, v in first.items() if k.startswith(("bs1", "bs4"))})
+            result["freetoken"] = ft_summary(freetoken_stats(url))
+            for then_label, body in args.then_policies:
+                # back to the starting size (a cache that held every expert keeps the same
+                # share of every layer at the next shrink, as at start), in the new policy
+                t0 = time.perf_counter()
+                r = requests.post(url + "/freetoken/cache", json={"slots": start_slots, **body},
+                                  timeout=600)
+                answer = r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
+                other = {"label": then_label, "flags": result["flags"], "then": body,
+                         "switch_s": time.perf_counter() - t0, "switch_answer": answer,
+                         "startup_s": None}
+                if r.status_code != 200:
+                    other["error"] = f"policy change refused: {answer}"
+                else:
+                    other["by_ratio"] = measure_ratios(url, then_label, ratios, rows, args)
+                    first = other["by_ratio"][0]
+                    other.update({k: v for k, v in first.items() if k.startswith(("bs1", "bs4"))})
+                    other["freetoken"] = ft_summary(freetoken_stats(url))
+                switched.append(other)
         else:
             result.update(measure_decode(url, args.input_len, args.new_tokens, args.repeats,
                                          max_request_s=args.max_request_s))
         result["peak_gpu_gib_serving"] = sampler.peak_gib()
         s = freetoken_stats(url)
-        if s is not None:
-            result["freetoken"] = {
-                "total": s["total"],
-                "decode": s.get("decode"),
-                "cache_slots": s["cache"]["slots"],
-                "pool_experts": s["pool"]["experts"],
-                "expert_bytes": s["pool"].get("expert_bytes"),
-                "miss_policy": s.get("miss_policy"),
-                "bandwidth": s.get("bandwidth"),
-                "load": s["load"],
-            }
+        if s is not None and "freetoken" not in result:
+            result["freetoken"] = ft_summary(s)
         m = re.search(r"Peak GPU memory during load: ([0-9.]+) GiB", server.log())
         if m:
             result["torch_peak_gib_during_load"] = float(m.group(1))
         result["sglang_weight_gb"] = server.weights_gb()
-    return result
+    for other in switched:
+        other.update({k: result.get(k) for k in ("peak_gpu_gib_load", "peak_gpu_gib_serving",
+                                                 "sglang_weight_gb")})
+    return [result, *switched]
 
 
 def window(before: dict, after: dict) -> Dict[str, object]:
@@ -373,6 +443,12 @@ def main(argv=None):
                     help="comma-separated fractions of the pool: on each FreeToken server, resize "
                          "the cache to each in turn (POST /freetoken/cache) and measure there; "
                          "give them in decreasing order so that every resize is a shrink")
+    ap.add_argument("--then", action="append", default=[], metavar="LABEL=POLICY[,FLAG,VALUE]",
+                    help="with --cache-ratios: after a FreeToken server's ratios, change its miss "
+                         "policy (POLICY fill, qstar or cpu; FLAG --freetoken-admission or "
+                         "--freetoken-fill-reused) at its starting size and measure the ratios "
+                         "again, as the system LABEL; repeatable. The server must start with "
+                         "qstar or cpu")
     ap.add_argument("--out-dir", default=tempfile.mkdtemp(prefix="ft-bench-"))
     ap.add_argument("--report", nargs="+", default=None, metavar="JSON",
                     help="print the tables (and the roofline table) of these bench_decode.json "
@@ -383,6 +459,9 @@ def main(argv=None):
         return
     if not a.system:
         ap.error("--system is required (or --report JSON...)")
+    a.then_policies = [parse_then(t) for t in a.then]
+    if a.then_policies and not a.cache_ratios:
+        ap.error("--then needs --cache-ratios")
     if a.max_request_s is not None and not (math.isfinite(a.max_request_s) and a.max_request_s > 0):
         raise SystemExit(f"--max-request-s must be a positive number of seconds, not {a.max_request_s}")
     os.makedirs(a.out_dir, exist_ok=True)
@@ -393,11 +472,13 @@ def main(argv=None):
         for spec in a.system:
             label, _, flags = spec.partition(":")
             try:
-                r = run_system(label, model, [f for f in flags.split(",") if f], a, sampler, a.out_dir)
+                rs = run_system(label, model, [f for f in flags.split(",") if f], a, sampler,
+                                a.out_dir)
             except Exception as e:  # one failing system must not lose the others' numbers
-                r = {"label": label, "error": f"{type(e).__name__}: {e}"}
-            print(json.dumps(r), flush=True)
-            results.append(r)
+                rs = [{"label": label, "error": f"{type(e).__name__}: {e}"}]
+            for r in rs:
+                print(json.dumps(r), flush=True)
+            results += rs
             with open(os.path.join(a.out_dir, "bench_decode.json"), "w") as f:
                 json.dump({"shape": a.shape, "args": vars(a), "results": results}, f, indent=1)
     finally:

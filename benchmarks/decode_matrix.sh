@@ -7,7 +7,11 @@
 # trace's decode rows into the MoE layers (--freetoken-replay-routing; e.g. the trained router's
 # benchmarks/results/h200-2026-12-03-s14/train/tr/trace_W4.npz). POLICIES: default
 # "fill qstar cpu"; an entry LABEL=POLICY,FLAG,VALUE... adds server flags (e.g.
-# qstar-rule=qstar,--freetoken-fill-reused,on). NO_STOCK=1 leaves stock out. SHAPE: a shape of
+# qstar-rule=qstar,--freetoken-fill-reused,on). THEN: entries LABEL=POLICY[,FLAG,VALUE] that
+# the last FreeToken server changes to while serving (bench_decode.py --then: back to its
+# starting size, the ratios again), one start for several policies; that server must start
+# with qstar or cpu (e.g. POLICIES=qstar THEN="fill=fill cpu=cpu
+# admit=qstar,--freetoken-admission,reuse"). NO_STOCK=1 leaves stock out. SHAPE: a shape of
 # servers.py (default qwen3-30b-a3b; e.g. qwen3-30b-a3b-fp8, gpt-oss-120b); STOCK_FLAGS and
 # FT_FLAGS: comma-separated flags for stock and for every FreeToken server (GPT-OSS-120B:
 # STOCK_FLAGS=--moe-runner-backend,triton_kernel: its default runner on an H200 dequantizes the
@@ -31,6 +35,9 @@ for p in $policies; do
   spec=${p#*=}
   flags="--enable-freetoken,--freetoken-cache-ratio,1.0,--freetoken-miss-policy,${spec}"
   systems+=(--system "ft-${label}:${flags}${replay}${ft_extra}")
+done
+for t in ${THEN:-}; do
+  systems+=(--then "ft-$t")
 done
 exec python3 "$(dirname "$0")/bench_decode.py" --shape "${SHAPE:-qwen3-30b-a3b}" \
   --new-tokens "${NEW_TOKENS:-64}" --repeats 2 --max-bs 4 \

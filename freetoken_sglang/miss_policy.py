@@ -130,6 +130,13 @@ class MissPolicy:
         q = int(fill_count(torch.tensor(num_misses), self.decode_split))
         return num_misses - q
 
+    @property
+    def label(self) -> str:
+        """The policy and its rule in the flags' words: ``fill``, ``qstar``, ``cpu``,
+        ``qstar+admission`` or ``qstar+fill_reused``."""
+        rule = "+admission" if self.admission else "+fill_reused" if self.fill_reused else ""
+        return self.name + rule
+
     def describe(self) -> str:
         if self.name != "qstar":
             return self.name

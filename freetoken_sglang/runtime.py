@@ -639,22 +639,33 @@ class FreeTokenRuntime:
 
     # ---- resize (cache/resize.py) ---------------------------------------------------------
     def resize_cache(self, slots: Optional[int] = None, gb: Optional[float] = None,
-                     reason: str = "request") -> "ResizeReport":
+                     reason: str = "request", miss_policy: Optional[str] = None,
+                     admission: Optional[str] = None,
+                     fill_reused: Optional[str] = None) -> "ResizeReport":
         """Grow or shrink the GPU expert cache to ``slots`` slots (or ``gb`` GiB, rounded down
         to whole slots), at a scheduler safe point: no forward may be in flight. Keeps the
         most recently used experts that fit, frees the old slot banks before allocating the
         new ones (GPU memory goes back to the device), re-captures SGLang's CUDA graphs and
-        keeps the counters. Paper §2.3, §3.3.
+        keeps the counters. Paper §2.3, §3.3. With ``miss_policy`` (``fill``, ``qstar``,
+        ``cpu``; ``admission`` ``off``/``reuse``, ``fill_reused`` ``off``/``on``, as the
+        flags), the decode miss policy changes at the same point (no size: the same size);
+        a rule given alone changes the current q*'s.
 
         Raises:
             ValueError: no GPU expert cache (``--freetoken-backend cpu``), both or neither of
-                ``slots`` and ``gb``, a size under top-k, or one that does not fit in free
-                device memory; the cache is then unchanged.
+                ``slots`` and ``gb`` (and no policy), a size under top-k, or one that does not
+                fit in free device memory, or a policy this server cannot run
+                (``_policy_for``); the cache and the policy are then unchanged.
         """
         from freetoken_sglang.cache.resize import ResizeReport, check_invariants, kept_experts
 
         if self.cache is None or self.backend == "cpu" or not self.cache.num_slots:
             raise ValueError("--freetoken-backend cpu has no GPU expert cache to resize")
+        new_policy = None
+        if (miss_policy, admission, fill_reused) != (None, None, None):
+            new_policy = self._policy_for(miss_policy, admission, fill_reused)
+            if slots is None and gb is None:
+                slots = self.cache.num_slots
         if (slots is None) == (gb is None):
             raise ValueError('give exactly one of "slots" and "gb"')
         per = self.pool.expert_bytes
@@ -690,6 +701,9 @@ class FreeTokenRuntime:
         clock = int(old.residency.clock.item())
         last_use = old.residency.last_use.clone()
         saved = self._serving_state()
+        old_policy = self.policy
+        if new_policy is not None:
+            self._set_policy(new_policy)
         from freetoken_sglang.observe.document import prefill_stream_counts
 
         self.stream_carry = prefill_stream_counts(self)  # counts of the executors dropped now
@@ -702,11 +716,13 @@ class FreeTokenRuntime:
             logger.error("FreeToken: resizing the cache to %d slots failed (%s: %s); "
                          "rebuilding it at %d slots", new_slots, type(e).__name__, e, old_slots)
             self._drop_cache(graphs)
+            self._set_policy(old_policy)
             self._build_cache(old_layout, everything, clock, last_use, graphs)
             self._restore_serving_state(saved)
             raise ValueError(
                 f"the resize to {new_slots} slots failed ({type(e).__name__}: {e}); the cache "
-                f"was rebuilt at its old size of {old_slots} slots"
+                f"was rebuilt at its old size of {old_slots} slots and policy "
+                f"{old_policy.label}"
             ) from e
         self._restore_serving_state(saved)
         if reason == "request":  # the size --freetoken-min-free-gb grows back to
@@ -735,6 +751,7 @@ class FreeTokenRuntime:
             if self.device.type == "cuda" else None,
             clamped_to_pool=clamped,
             invariant_problems=tuple(check_invariants(self.cache.residency)),
+            miss_policy=self.policy.label,
         )
         logger.info(
             "FreeToken: GPU expert cache resized (%s) from %d to %d slots (%.2f -> %.2f GiB) "
@@ -744,7 +761,45 @@ class FreeTokenRuntime:
             f"; CUDA graphs captured again: {', '.join(recaptured)}" if recaptured else "",
             f" ({want} slots asked for: clamped to the pool)" if clamped else "",
         )
+        if self.policy != old_policy:
+            logger.info("FreeToken: decode misses now %s (was %s): %s", self.policy.label,
+                        old_policy.label, self.describe_policy())
         return report
+
+    def _policy_for(self, miss_policy: Optional[str], admission: Optional[str],
+                    fill_reused: Optional[str]) -> MissPolicy:
+        """The miss policy a resize asks for (``resize_cache``): the rules default to off
+        with a new ``miss_policy``, to the current ones without.
+
+        Raises:
+            ValueError: a policy that runs misses on the CPU on a server started without the
+                CPU branch (``fill``), or rules without ``qstar`` or both rules
+                (``MissPolicy``).
+        """
+        cur = self.policy
+        name = miss_policy or cur.name
+        keep = miss_policy is None
+        adm = admission == "reuse" if admission is not None else keep and cur.admission
+        reused = fill_reused == "on" if fill_reused is not None else keep and cur.fill_reused
+        if name != "fill" and self.cpu_branch is None:
+            raise ValueError(
+                f"the {name} miss policy runs misses on the CPU, and this server started "
+                "without the CPU branch (--freetoken-miss-policy fill): start it with "
+                "--freetoken-miss-policy qstar or cpu to change policies while serving")
+        if name != "qstar":
+            return MissPolicy(name, admission=adm, fill_reused=reused)
+        bw = self._resolve_bandwidth()
+        return MissPolicy("qstar", (bw.b_p, bw.b_h), bw.fixed_us, self.pool.expert_bytes,
+                          admission=adm, fill_reused=reused)
+
+    def _set_policy(self, policy: MissPolicy) -> None:
+        """Serve decode misses by ``policy`` from the next captured or eager forward (the
+        decode executor reads it per call); on CUDA its q table is built before a capture."""
+        self.policy = policy
+        if self.device.type == "cuda":
+            from freetoken_sglang.kernels.residency import q_table
+
+            q_table(policy.decode_split, self.num_experts, self.device)
 
     def _captured_graphs(self) -> tuple:
         """The phases whose CUDA graphs SGLang captured (``decode``, ``prefill``): runners

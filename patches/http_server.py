@@ -36,7 +36,8 @@ async def freetoken_stats():
 @auth_level(AuthLevel.ADMIN_OPTIONAL)  # as SGLang's own /set_internal_state
 async def freetoken_cache(request: Request):
     """``POST /freetoken/cache`` with ``{"gb": G}`` or ``{"slots": N}``: resize the GPU
-    expert cache at the scheduler's next safe point. 200 with the ``ResizeReport`` fields;
+    expert cache at the scheduler's next safe point; with ``"miss_policy"`` (and
+    ``"admission"`` or ``"fill_reused"``), change the decode miss policy there too. 200 with the ``ResizeReport`` fields;
     400 with ``error`` for a bad body or a size the scheduler refused (404: FreeToken is not
     serving). SGLang's admin auth level (``--admin-api-key``), as ``/set_internal_state``."""
     from fastapi.responses import JSONResponse
@@ -48,13 +49,13 @@ async def freetoken_cache(request: Request):
         body = await request.json()
     except ValueError as e:  # (json.JSONDecodeError, an empty body)
         return JSONResponse({"ok": False, "error": f"the body is not JSON ({e}): send "
-                             '{"gb": G} or {"slots": N}'}, status_code=400)
+                             f"{control.BODIES}"}, status_code=400)
     try:
-        size = control.parse_body(body)
+        parsed = control.parse_body(body)
     except ValueError as e:
         return JSONResponse({"ok": False, "error": str(e)}, status_code=400)
     answer = await control.request_resize(
-        http_server.get_global_state().tokenizer_manager, **size)
+        http_server.get_global_state().tokenizer_manager, **parsed)
     if answer.get("ok"):
         return JSONResponse(answer)
     return JSONResponse(answer, status_code=404 if "not serving" in answer["error"] else 400)

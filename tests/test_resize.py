@@ -17,7 +17,8 @@ from freetoken_sglang.cache.residency import ResidencyState, decide
 from freetoken_sglang.cache.resize import (check_invariants, install, kept_experts,
                                            min_free_target, resize_allowance,
                                            runtime_reserve, shrink_floor)
-from freetoken_sglang.control import parse_body
+from freetoken_sglang.control import KEY_ID, from_args, parse_body, to_args
+from freetoken_sglang.miss_policy import POLICIES
 from test_e2e_families import _top2, assert_same_tokens
 
 
@@ -200,9 +201,24 @@ def test_resize_bodies():
     assert parse_body({"gb": 2}) == {"gb": 2.0} and parse_body({"slots": 7}) == {"slots": 7}
 
 
+def test_policy_bodies_travel_as_numbers():
+    assert parse_body({"miss_policy": "cpu"}) == {"miss_policy": "cpu"}
+    for body in ({"slots": 9, "miss_policy": "qstar", "admission": "reuse"},
+                 {"gb": 1.5, "fill_reused": "on"}, {"miss_policy": "fill"}):
+        args = to_args(parse_body(body))
+        assert all(type(v) in (int, float) for v in args.values())  # SetInternalStateReq
+        assert from_args({KEY_ID: 1, **args}) == parse_body(body)
+    assert set(POLICIES) == {"fill", "qstar", "cpu"}  # control's own list
+    with pytest.raises(ValueError, match="carries only its size and policy"):
+        from_args({KEY_ID: 1, "freetoken_other": 2})
+
+
 @pytest.mark.parametrize("body", [[], {}, {"gb": 1, "slots": 2}, {"slots": 0}, {"slots": 1.5},
                                   {"gb": -1}, {"gb": "2"}, {"size": 3}, {"slots": True},
-                                  {"gb": float("inf")}, {"gb": float("nan")}])
+                                  {"gb": float("inf")}, {"gb": float("nan")},
+                                  {"miss_policy": "lru"}, {"miss_policy": 1},
+                                  {"admission": "on"}, {"fill_reused": True},
+                                  {"slots": 3, "gb": 1, "miss_policy": "fill"}])
 def test_bad_resize_bodies_are_refused(body):
     with pytest.raises(ValueError):
         parse_body(body)
@@ -272,6 +288,10 @@ def test_resize_under_load_matches_stock_sglang(tiny_checkpoint, tmp_path):
     try:
         got, answers, last_chunk = _run(ft.url, resize=True)
         bad = requests.post(ft.url + "/freetoken/cache", json={"slots": 3}, timeout=60)
+        no_branch = requests.post(ft.url + "/freetoken/cache", json={"miss_policy": "qstar"},
+                                  timeout=60)
+        no_qstar = requests.post(ft.url + "/freetoken/cache", json={"admission": "reuse"},
+                                 timeout=60)
         not_json = requests.post(ft.url + "/freetoken/cache", data="slots=3", timeout=60)
         final = requests.get(ft.url + "/freetoken/stats", timeout=60).json()
         log = ft.log()
@@ -308,8 +328,72 @@ def test_resize_under_load_matches_stock_sglang(tiny_checkpoint, tmp_path):
     assert shrink[-1]["kept"] == answers[-1][4]["cache"]["lru_slots"] == 18
     # a size below top-k is refused with a one-line reason; the cache is unchanged
     assert bad.status_code == 400 and "top-4" in bad.json()["error"]
+    # a policy that needs the CPU branch, or a rule without q*, is refused; nothing changed
+    assert no_branch.status_code == 400
+    assert "started without the CPU branch" in no_branch.json()["error"]
+    assert no_qstar.status_code == 400
+    assert no_qstar.json()["error"] == "the admission rule needs the qstar miss policy"
+    assert final["miss_policy"] == "fill" and final["admission"] == "off"
     assert not_json.status_code == 400
     assert not_json.json()["error"].startswith("the body is not JSON (")
-    assert not_json.json()["error"].endswith('send {"gb": G} or {"slots": N}')
+    assert not_json.json()["error"].endswith('send {"gb": G} or {"slots": N}, and/or '
+                                             '{"miss_policy": "fill"|"qstar"|"cpu"} with '
+                                             '"admission": "off"|"reuse" or "fill_reused": '
+                                             '"off"|"on"')
     assert final["cache"]["slots"] == 24 and final["cache"]["resizes"] == len(SIZES)
     assert log.count("GPU expert cache resized (request)") == len(SIZES)
+
+
+PROMPTS = [[(i * 13 + j * 5) % 300 + 20 for j in range(10 + 7 * i)] for i in range(3)]
+
+
+def _generate(url):
+    """Greedy tokens of ``PROMPTS`` (24 each, one batch) and the decode counters after."""
+    r = requests.post(url + "/generate", json={
+        "input_ids": PROMPTS,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}},
+        timeout=600)
+    r.raise_for_status()
+    stats = requests.get(url + "/freetoken/stats", timeout=60).json()
+    return [o["output_ids"] for o in r.json()], stats
+
+
+def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
+    """A server started with qstar serves cpu, qstar with the admission rule and fill after
+    ``POST /freetoken/cache`` changes them, each with the tokens qstar gave (fp32: every
+    policy is stock's, tests/test_e2e_families.py) and the counters each policy leaves."""
+    from sglang_cpu import start_server
+
+    path = tiny_checkpoint("qwen3_moe", **SHAPE)
+    ft = start_server(path, ["--enable-freetoken", "--freetoken-cache-slots", "16",
+                             "--freetoken-miss-policy", "qstar", "--freetoken-bandwidth",
+                             "20,40,0,0"], log_path=str(tmp_path / "ft.log"))
+    post = lambda body: requests.post(ft.url + "/freetoken/cache", json=body, timeout=300)
+    try:
+        want, s0 = _generate(ft.url)
+        to_cpu = post({"miss_policy": "cpu"})
+        got_cpu, s1 = _generate(ft.url)
+        to_admit = post({"miss_policy": "qstar", "admission": "reuse"})
+        both = post({"fill_reused": "on"})  # with the admission rule kept: refused
+        got_admit, s2 = _generate(ft.url)
+        to_fill = post({"miss_policy": "fill", "slots": 24})
+        got_fill, s3 = _generate(ft.url)
+        log = ft.log()
+    finally:
+        ft.stop()
+    d = lambda a, b, k: b["decode"][k] - a["decode"][k]
+    assert s0["miss_policy"] == "qstar" and d(s0, s0, "reads") == 0
+    assert to_cpu.status_code == 200, to_cpu.text
+    a = to_cpu.json()
+    assert (a["miss_policy"], a["old_slots"], a["new_slots"]) == ("cpu", 16, 16)
+    assert got_cpu == want and s1["miss_policy"] == "cpu"
+    assert d(s0, s1, "cpu") > 0 and d(s0, s1, "fills") == 0  # decode never fills under cpu
+    assert to_admit.status_code == 200 and to_admit.json()["miss_policy"] == "qstar+admission"
+    assert both.status_code == 400 and "give one of them" in both.json()["error"]
+    assert got_admit == want and (s2["miss_policy"], s2["admission"]) == ("qstar", "reuse")
+    assert d(s1, s2, "cpu") > 0
+    assert to_fill.status_code == 200 and to_fill.json()["new_slots"] == 24
+    assert got_fill == want and (s3["miss_policy"], s3["admission"]) == ("fill", "off")
+    assert d(s2, s3, "cpu") == 0 and d(s2, s3, "fills") > 0
+    assert "decode misses now cpu (was qstar): " in log
+    assert "decode misses now fill (was qstar+admission): " in log

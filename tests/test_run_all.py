@@ -763,3 +763,75 @@ def test_bench_decode_roofline_takes_the_all_hit_step_from_stock_only():
     assert rows == [f"| ft | 0.25 | 40.00 | {1 / t_step:.2f} | {40.0 * t_step:.3f} | - | - | - "
                     f"| stock |"]
     assert bench_decode.roofline(results[:3], 5, 2, 1e6, bw).count("| ft |") == 0
+
+
+def test_bench_decode_then_changes_the_policy_of_one_server(monkeypatch, tmp_path):
+    """--then: after the ratios of the policy a server started with, it goes back to its
+    starting size in each new policy (POST /freetoken/cache) and measures the ratios again,
+    one result per policy; a flag that cannot change while serving is refused."""
+    bd = run_all.bench_decode
+    state, posts = {"slots": 64, "policy": "qstar"}, []
+
+    class FakeServer:
+        url, startup_s = "http://ft", 1.0
+
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def log(self):
+            return ""
+
+        def weights_gb(self):
+            return 1.0
+
+    class Answer:
+        status_code, headers = 200, {"content-type": "application/json"}
+
+        def __init__(self, body):
+            self.body = body
+
+        def json(self):
+            return self.body
+
+    def post(url, json, timeout):
+        posts.append(json)
+        state.update(slots=json["slots"], policy=json.get("miss_policy", state["policy"]))
+        return Answer({"ok": True, "miss_policy": state["policy"]})
+
+    def stats(url):
+        return {"pool": {"experts": 64}, "cache": {"slots": state["slots"]}, "total": {},
+                "miss_policy": state["policy"], "load": {}}
+
+    def measure(url, input_len, new_tokens, repeats, max_request_s=None):
+        rate = {"qstar": 3.0, "fill": 2.0}[state["policy"]] * state["slots"]
+        return {"bs1_decode_tok_s": rate, "bs4_total_tok_s": 4 * rate}
+
+    monkeypatch.setattr(bd, "Server", FakeServer)
+    monkeypatch.setattr(bd, "GpuMemorySampler", lambda: type(
+        "S", (), {"reset": lambda s: None, "peak_gib": lambda s: 0.0, "close": lambda s: None})())
+    monkeypatch.setattr(bd, "write_shape", lambda shape, out: "model")
+    monkeypatch.setattr(bd, "freetoken_stats", stats)
+    monkeypatch.setattr(bd.requests, "post", post)
+    monkeypatch.setattr(bd, "measure_decode", measure)
+    bd.main(["--system", "ft-qstar:--enable-freetoken", "--cache-ratios", "0.5,0.25",
+             "--then", "ft-fill=fill", "--then", "ft-admit=qstar,--freetoken-admission,reuse",
+             "--out-dir", str(tmp_path)])
+    doc = json.loads((tmp_path / "bench_decode.json").read_text())
+    assert [r["label"] for r in doc["results"]] == ["ft-qstar", "ft-fill", "ft-admit"]
+    assert posts == [{"slots": 32}, {"slots": 16},
+                     {"slots": 64, "miss_policy": "fill"}, {"slots": 32}, {"slots": 16},
+                     {"slots": 64, "miss_policy": "qstar", "admission": "reuse"},
+                     {"slots": 32}, {"slots": 16}]
+    assert [c["bs1_decode_tok_s"] for c in doc["results"][1]["by_ratio"]] == [64.0, 32.0]
+    assert doc["results"][2]["freetoken"]["miss_policy"] == "qstar"
+    assert "| ft-fill@0.25 | 32.00 | 128.00 | 0.333 |" in (tmp_path / "bench_decode.md").read_text()
+    for spec, why in (("x=fill,--freetoken-cache-ratio,0.5", "cannot change while serving"),
+                      ("x=lru", "must be one of"), ("=fill", "give LABEL=POLICY")):
+        with pytest.raises(SystemExit, match=why):
+            bd.parse_then(spec)

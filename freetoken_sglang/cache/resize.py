@@ -34,6 +34,7 @@ class ResizeReport:
         free_bytes_after: free device memory after the resize (None on the CPU).
         clamped_to_pool: more slots were asked for than the pool has experts.
         invariant_problems: ``check_invariants`` of the new residency state (empty: sound).
+        miss_policy: the decode miss policy after it (``MissPolicy.label``).
     """
 
     old_slots: int
@@ -49,6 +50,7 @@ class ResizeReport:
     free_bytes_after: Optional[int]
     clamped_to_pool: bool = False
     invariant_problems: Tuple[str, ...] = ()
+    miss_policy: str = ""
 
     def as_dict(self) -> dict:
         out = asdict(self)
