@@ -10,8 +10,8 @@ a table with ratios against the first system.
         --system stock: --system ft25:--enable-freetoken,--freetoken-cache-ratio,0.25
 
 With ``--cache-ratios`` each FreeToken server is resized to each ratio in turn; with
-``--then LABEL=POLICY[,FLAG,VALUE]`` the same server then changes its miss policy (POST
-/freetoken/cache, back at its starting size) and measures the ratios again, once per
+``--then LABEL=POLICY[,FLAG,VALUE]`` the last FreeToken server then changes its miss policy
+(POST /freetoken/cache, back at its starting size) and measures the ratios again, once per
 ``--then``: one server start for several policies (it must start with qstar or cpu).
 """
 
@@ -233,9 +233,10 @@ def ft_summary(s: dict) -> dict:
     }
 
 
-def run_system(label, model_path, flags, args, sampler, log_dir) -> List[Dict[str, object]]:
-    """Start one system, measure it (and each ``--then`` policy on it), stop it; one result
-    per policy measured."""
+def run_system(label, model_path, flags, args, sampler, log_dir,
+               then=()) -> List[Dict[str, object]]:
+    """Start one system, measure it (and each ``then`` policy on it: ``parse_then``'s
+    pairs), stop it; one result per policy measured."""
     flags = [
         "--load-format", "dummy", "--skip-tokenizer-init",
         "--attention-backend", "triton", "--sampling-backend", "pytorch",
@@ -262,7 +263,7 @@ def run_system(label, model_path, flags, args, sampler, log_dir) -> List[Dict[st
             first = result["by_ratio"][0]
             result.update({k: v for k, v in first.items() if k.startswith(("bs1", "bs4"))})
             result["freetoken"] = ft_summary(freetoken_stats(url))
-            for then_label, body in args.then_policies:
+            for then_label, body in then:
                 # back to the starting size (a cache that held every expert keeps the same
                 # share of every layer at the next shrink, as at start), in the new policy
                 t0 = time.perf_counter()
@@ -444,11 +445,11 @@ def main(argv=None):
                          "the cache to each in turn (POST /freetoken/cache) and measure there; "
                          "give them in decreasing order so that every resize is a shrink")
     ap.add_argument("--then", action="append", default=[], metavar="LABEL=POLICY[,FLAG,VALUE]",
-                    help="with --cache-ratios: after a FreeToken server's ratios, change its miss "
-                         "policy (POLICY fill, qstar or cpu; FLAG --freetoken-admission or "
-                         "--freetoken-fill-reused) at its starting size and measure the ratios "
-                         "again, as the system LABEL; repeatable. The server must start with "
-                         "qstar or cpu")
+                    help="with --cache-ratios: after the last FreeToken system's ratios, change "
+                         "its miss policy (POLICY fill, qstar or cpu; FLAG --freetoken-admission "
+                         "or --freetoken-fill-reused) at its starting size and measure the "
+                         "ratios again, as the system LABEL; repeatable. That server must "
+                         "start with qstar or cpu")
     ap.add_argument("--out-dir", default=tempfile.mkdtemp(prefix="ft-bench-"))
     ap.add_argument("--report", nargs="+", default=None, metavar="JSON",
                     help="print the tables (and the roofline table) of these bench_decode.json "
@@ -459,9 +460,14 @@ def main(argv=None):
         return
     if not a.system:
         ap.error("--system is required (or --report JSON...)")
-    a.then_policies = [parse_then(t) for t in a.then]
-    if a.then_policies and not a.cache_ratios:
+    then = [parse_then(t) for t in a.then]
+    if then and not a.cache_ratios:
         ap.error("--then needs --cache-ratios")
+    # --then runs on the last FreeToken system
+    ft = [i for i, spec in enumerate(a.system)
+          if "--enable-freetoken" in spec.partition(":")[2].split(",")]
+    if then and not ft:
+        ap.error("--then needs a FreeToken system (--enable-freetoken)")
     if a.max_request_s is not None and not (math.isfinite(a.max_request_s) and a.max_request_s > 0):
         raise SystemExit(f"--max-request-s must be a positive number of seconds, not {a.max_request_s}")
     os.makedirs(a.out_dir, exist_ok=True)
@@ -469,11 +475,11 @@ def main(argv=None):
     sampler = GpuMemorySampler()
     results = []
     try:
-        for spec in a.system:
+        for i, spec in enumerate(a.system):
             label, _, flags = spec.partition(":")
             try:
                 rs = run_system(label, model, [f for f in flags.split(",") if f], a, sampler,
-                                a.out_dir)
+                                a.out_dir, then=then if ft and i == ft[-1] else ())
             except Exception as e:  # one failing system must not lose the others' numbers
                 rs = [{"label": label, "error": f"{type(e).__name__}: {e}"}]
             for r in rs:

@@ -95,17 +95,22 @@ def load_cached(path: str, key: str) -> Optional[Dict[str, float]]:
 
 
 def store_cached(path: str, key: str, entry: Dict[str, object]) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    """Add ``entry`` under ``key`` to the profile cache; a cache that cannot be written is
+    logged and skipped (the next start measures again)."""
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        data = {}
-    data[key] = entry
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            data = {}
+        data[key] = entry
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("FreeToken: the bandwidth profile was not cached in %s (%s)", path, e)
 
 
 def measure_fill(

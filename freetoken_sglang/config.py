@@ -529,9 +529,10 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
         for name in ineffective:
             problems.append(f"{cli_name(name)} has no effect with --freetoken-backend cpu")
     else:
-        if cfg.bandwidth is not None and cfg.miss_policy != "qstar" and cfg.prefill_cpu != "auto":
+        if cfg.bandwidth is not None and cfg.miss_policy == "fill" and cfg.prefill_cpu != "auto":
             problems.append("--freetoken-bandwidth is used only by --freetoken-miss-policy qstar "
-                            "and --freetoken-prefill-cpu auto")
+                            "(and by cpu, for a change to qstar while serving) and "
+                            "--freetoken-prefill-cpu auto")
         if "cpu_branch" in given and cfg.miss_policy == "fill":
             problems.append("--freetoken-cpu-branch is used only by the qstar and cpu miss "
                             "policies (fill runs no decode miss on the CPU; the prefill CPU "

@@ -1,8 +1,8 @@
 """Resize requests for the GPU expert cache (and miss-policy changes), from ``POST /freetoken/cache`` and ``sglang.Engine`` to the scheduler, over SGLang's ``set_internal_state`` round trip.
 
 The request travels as numeric ``SetInternalStateReq.server_args`` keys (SGLang 0.5.17's
-``sglang.srt.managers.io_struct`` accepts numbers only: a miss policy goes as its index in
-``miss_policy.POLICIES``, a rule as 0 or 1) that only FreeToken's hook on
+``sglang.srt.managers.io_struct`` accepts numbers only: a policy key's value goes as its
+index in ``POLICY_KEYS``' list of values) that only FreeToken's hook on
 ``Scheduler.set_internal_state`` reads (``patches/scheduler.py``); the scheduler resizes at
 that safe point (``FreeTokenRuntime.resize_cache``) and keeps the answer as the stats'
 ``cache.last_resize``, which the caller then reads back with ``get_internal_state``.

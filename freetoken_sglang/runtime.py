@@ -590,7 +590,7 @@ class FreeTokenRuntime:
             return (f"every routed expert on the CPU ({self.executor.num_threads} threads, "
                     f"{self._isa_text()})")
         text = self.policy.describe()
-        if self.bandwidth is not None:
+        if self.bandwidth is not None and self.policy.name == "qstar":
             text += f" [bandwidths from {self.bandwidth.source}]"
         if self.executor is not None:
             text += f"; CPU executor: {self.executor.num_threads} threads, {self._isa_text()}"
@@ -659,13 +659,15 @@ class FreeTokenRuntime:
         """
         from freetoken_sglang.cache.resize import ResizeReport, check_invariants, kept_experts
 
+        t0 = time.perf_counter()
+        policy_asked = (miss_policy, admission, fill_reused) != (None, None, None)
         if self.cache is None or self.backend == "cpu" or not self.cache.num_slots:
-            raise ValueError("--freetoken-backend cpu has no GPU expert cache to resize")
-        new_policy = None
-        if (miss_policy, admission, fill_reused) != (None, None, None):
-            new_policy = self._policy_for(miss_policy, admission, fill_reused)
-            if slots is None and gb is None:
-                slots = self.cache.num_slots
+            raise ValueError("--freetoken-backend cpu runs every routed expert on the CPU: it "
+                             "has no GPU expert cache to resize" +
+                             (" and no miss policy" if policy_asked else ""))
+        if policy_asked and slots is None and gb is None:
+            slots = self.cache.num_slots  # the policy alone: rebuilt at the same size
+            reason = "policy" if reason == "request" else reason
         if (slots is None) == (gb is None):
             raise ValueError('give exactly one of "slots" and "gb"')
         per = self.pool.expert_bytes
@@ -677,7 +679,6 @@ class FreeTokenRuntime:
                 f"{want} slots cannot serve one token's top-{self.top_k} experts; ask for at "
                 f"least {self.top_k} slots ({self.top_k * per / 2**20:.2f} MiB)"
             )
-        t0 = time.perf_counter()
         old = self.cache
         clamped = want > new_slots
         if self.device.type == "cuda":
@@ -694,6 +695,8 @@ class FreeTokenRuntime:
                     f"{max(0, free - reserve) / GIB:.2f} GiB free beyond the "
                     f"{reserve / GIB:.2f} GiB SGLang's runtime keeps; ask for fewer slots"
                 )
+        # after the size checks: a q* change may measure B_P and B_H (seconds) first
+        new_policy = self._policy_for(miss_policy, admission, fill_reused) if policy_asked else None
         layout = self._plan_layout(new_slots)
         old_layout, old_slots = old.layout, old.num_slots
         # most recently used first
@@ -769,12 +772,14 @@ class FreeTokenRuntime:
     def _policy_for(self, miss_policy: Optional[str], admission: Optional[str],
                     fill_reused: Optional[str]) -> MissPolicy:
         """The miss policy a resize asks for (``resize_cache``): the rules default to off
-        with a new ``miss_policy``, to the current ones without.
+        with a new ``miss_policy``, to the current ones without. A change to ``qstar`` on a
+        server without B_P and B_H measures them now (``bandwidth.resolve``: the profile
+        cache, else a measurement of a few seconds).
 
         Raises:
             ValueError: a policy that runs misses on the CPU on a server started without the
-                CPU branch (``fill``), or rules without ``qstar`` or both rules
-                (``MissPolicy``).
+                CPU branch (``fill``), rules without ``qstar`` or both rules (``MissPolicy``),
+                or a failed bandwidth measurement.
         """
         cur = self.policy
         name = miss_policy or cur.name
@@ -788,7 +793,13 @@ class FreeTokenRuntime:
                 "--freetoken-miss-policy qstar or cpu to change policies while serving")
         if name != "qstar":
             return MissPolicy(name, admission=adm, fill_reused=reused)
-        bw = self._resolve_bandwidth()
+        try:
+            bw = self._resolve_bandwidth()
+        except Exception as e:  # noqa: BLE001 - the server keeps serving its old policy
+            raise ValueError(
+                f"measuring B_P and B_H for qstar failed ({type(e).__name__}: {e}); start the "
+                "server with --freetoken-bandwidth B_P,B_H (python -m freetoken_sglang.profile "
+                "measures them)") from e
         return MissPolicy("qstar", (bw.b_p, bw.b_h), bw.fixed_us, self.pool.expert_bytes,
                           admission=adm, fill_reused=reused)
 

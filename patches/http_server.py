@@ -36,10 +36,10 @@ async def freetoken_stats():
 @auth_level(AuthLevel.ADMIN_OPTIONAL)  # as SGLang's own /set_internal_state
 async def freetoken_cache(request: Request):
     """``POST /freetoken/cache`` with ``{"gb": G}`` or ``{"slots": N}``: resize the GPU
-    expert cache at the scheduler's next safe point; with ``"miss_policy"`` (and
-    ``"admission"`` or ``"fill_reused"``), change the decode miss policy there too. 200 with the ``ResizeReport`` fields;
-    400 with ``error`` for a bad body or a size the scheduler refused (404: FreeToken is not
-    serving). SGLang's admin auth level (``--admin-api-key``), as ``/set_internal_state``."""
+    expert cache at the scheduler's next safe point; with ``"miss_policy"`` (``"admission"``,
+    ``"fill_reused"``), change the decode miss policy there too (``control.parse_body``).
+    200 with the ``ResizeReport`` fields; 400 with ``error`` for a bad body, or a size or
+    policy the scheduler refused (404: FreeToken is not serving). SGLang's admin auth level (``--admin-api-key``), as ``/set_internal_state``."""
     from fastapi.responses import JSONResponse
     from sglang.srt.entrypoints import http_server
 

@@ -76,6 +76,9 @@ def test_miss_policy_flags():
         {"enable_freetoken": True, "freetoken_miss_policy": "qstar", "freetoken_bandwidth": (20, 40)}
     )
     assert kw.bandwidth == (20.0, 40.0)
+    # with cpu: kept for a change to qstar while serving (POST /freetoken/cache)
+    assert ft.pop_config({"enable_freetoken": True, "freetoken_miss_policy": "cpu",
+                          "freetoken_bandwidth": "10,20"}).bandwidth == (10.0, 20.0)
 
 
 @pytest.mark.parametrize(

@@ -386,6 +386,7 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     assert to_cpu.status_code == 200, to_cpu.text
     a = to_cpu.json()
     assert (a["miss_policy"], a["old_slots"], a["new_slots"]) == ("cpu", 16, 16)
+    assert a["reason"] == "policy" and s1["cache"]["configured_slots"] == 16
     assert got_cpu == want and s1["miss_policy"] == "cpu"
     assert d(s0, s1, "cpu") > 0 and d(s0, s1, "fills") == 0  # decode never fills under cpu
     assert to_admit.status_code == 200 and to_admit.json()["miss_policy"] == "qstar+admission"
@@ -393,7 +394,29 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     assert got_admit == want and (s2["miss_policy"], s2["admission"]) == ("qstar", "reuse")
     assert d(s1, s2, "cpu") > 0
     assert to_fill.status_code == 200 and to_fill.json()["new_slots"] == 24
+    assert to_fill.json()["reason"] == "request" and s3["cache"]["configured_slots"] == 24
     assert got_fill == want and (s3["miss_policy"], s3["admission"]) == ("fill", "off")
     assert d(s2, s3, "cpu") == 0 and d(s2, s3, "fills") > 0
     assert "decode misses now cpu (was qstar): " in log
     assert "decode misses now fill (was qstar+admission): " in log
+
+
+def test_a_failed_bandwidth_measurement_refuses_the_change():
+    """A change to qstar that must measure B_P and B_H and cannot is a refusal (ValueError:
+    the serving loop answers 400 and keeps the old policy), whatever the measurement raised."""
+    from types import SimpleNamespace
+
+    from freetoken_sglang.miss_policy import MissPolicy
+    from freetoken_sglang.runtime import FreeTokenRuntime
+
+    def fail():
+        raise NotADirectoryError("/root/.cache/freetoken")
+
+    rt = SimpleNamespace(policy=MissPolicy("cpu"), cpu_branch=object(), _resolve_bandwidth=fail,
+                         pool=SimpleNamespace(expert_bytes=1024))
+    with pytest.raises(ValueError, match="NotADirectoryError.*--freetoken-bandwidth B_P,B_H"):
+        FreeTokenRuntime._policy_for(rt, "qstar", None, None)
+    assert FreeTokenRuntime._policy_for(rt, "fill", None, None) == MissPolicy("fill")
+    rt.cpu_branch = None  # a server started with fill
+    with pytest.raises(ValueError, match="started without the CPU branch"):
+        FreeTokenRuntime._policy_for(rt, "cpu", None, None)

@@ -819,6 +819,9 @@ def test_bench_decode_then_changes_the_policy_of_one_server(monkeypatch, tmp_pat
     monkeypatch.setattr(bd, "freetoken_stats", stats)
     monkeypatch.setattr(bd.requests, "post", post)
     monkeypatch.setattr(bd, "measure_decode", measure)
+    with pytest.raises(SystemExit):  # no FreeToken system to change
+        bd.main(["--system", "stock:", "--cache-ratios", "0.5", "--then", "f=fill",
+                 "--out-dir", str(tmp_path)])
     bd.main(["--system", "ft-qstar:--enable-freetoken", "--cache-ratios", "0.5,0.25",
              "--then", "ft-fill=fill", "--then", "ft-admit=qstar,--freetoken-admission,reuse",
              "--out-dir", str(tmp_path)])

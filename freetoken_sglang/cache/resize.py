@@ -30,7 +30,8 @@ class ResizeReport:
         layout: the new split (``SlotLayout.describe``).
         graphs_recaptured: CUDA-graph runners captured again (``decode``, ``prefill``).
         seconds: wall time of the resize, graph capture included.
-        reason: ``request`` (HTTP or Engine) or ``min-free`` (``--freetoken-min-free-gb``).
+        reason: ``request`` (HTTP or Engine), ``policy`` (a miss-policy change alone: the
+            cache is rebuilt at its size) or ``min-free`` (``--freetoken-min-free-gb``).
         free_bytes_after: free device memory after the resize (None on the CPU).
         clamped_to_pool: more slots were asked for than the pool has experts.
         invariant_problems: ``check_invariants`` of the new residency state (empty: sound).
