@@ -6,8 +6,8 @@ next ``T`` rows, the same rows for every MoE layer. MoE layer ``l`` of ``L`` rea
 ``l * L_trace // L`` (layers spread evenly); the number of experts must be the model's, and a
 trace of a larger top-k whose ids are in rank order (meta ``ids_ranked``, or written by
 ``benchmarks/train_router.py``, whose top-k is sorted) replays each token's first ``k`` ids,
-the same router's top-``k`` (e.g. the trained top-8 trace into GPT-OSS's top-4). The router's weights are kept (they then belong to other experts: outputs are not
-the model's). The ids are gathered on the device from a device cursor, so CUDA graphs capture
+the same router's top-``k`` (e.g. the trained top-8 trace into GPT-OSS's top-4). The
+router's weights are kept (they then belong to other experts: outputs are not the model's). The ids are gathered on the device from a device cursor, so CUDA graphs capture
 the replay; off, nothing runs (one attribute check per layer call).
 """
 
