@@ -281,6 +281,9 @@ def run_system(label, model_path, flags, args, sampler, log_dir,
                     other.update({k: v for k, v in first.items() if k.startswith(("bs1", "bs4"))})
                     other["freetoken"] = ft_summary(freetoken_stats(url))
                 switched.append(other)
+                # as it goes: a call that runs out of time keeps the policies measured so far
+                with open(os.path.join(log_dir, f"{label}.then.jsonl"), "a") as f:
+                    f.write(json.dumps(other) + "\n")
         else:
             result.update(measure_decode(url, args.input_len, args.new_tokens, args.repeats,
                                          max_request_s=args.max_request_s))
