@@ -170,7 +170,8 @@ def measure_decode(url: str, input_len: int, new_tokens: int, repeats: int,
 
 
 # --then's flags and the POST /freetoken/cache keys they become
-THEN_FLAGS = {"--freetoken-admission": "admission", "--freetoken-fill-reused": "fill_reused"}
+THEN_FLAGS = {"--freetoken-admission": "admission", "--freetoken-fill-reused": "fill_reused",
+              "--freetoken-return-rule": "return_rule"}
 
 
 def parse_then(spec: str):
@@ -228,6 +229,8 @@ def ft_summary(s: dict) -> dict:
         "miss_policy": s.get("miss_policy"),
         "admission": s.get("admission"),
         "fill_reused": s.get("fill_reused"),
+        "return_rule": s.get("return_rule"),
+        "return_rate": (s.get("cache") or {}).get("return_rate"),
         "bandwidth": s.get("bandwidth"),
         "load": s["load"],
     }
@@ -449,9 +452,9 @@ def main(argv=None):
                          "give them in decreasing order so that every resize is a shrink")
     ap.add_argument("--then", action="append", default=[], metavar="LABEL=POLICY[,FLAG,VALUE]",
                     help="with --cache-ratios: after the last FreeToken system's ratios, change "
-                         "its miss policy (POLICY fill, qstar or cpu; FLAG --freetoken-admission "
-                         "or --freetoken-fill-reused) at its starting size and measure the "
-                         "ratios again, as the system LABEL; repeatable. That server must "
+                         "its miss policy (POLICY fill, qstar or cpu; FLAG --freetoken-admission, "
+                         "--freetoken-fill-reused or --freetoken-return-rule) at its starting "
+                         "size and measure the ratios again, as the system LABEL; repeatable. That server must "
                          "start with qstar or cpu")
     ap.add_argument("--out-dir", default=tempfile.mkdtemp(prefix="ft-bench-"))
     ap.add_argument("--report", nargs="+", default=None, metavar="JSON",

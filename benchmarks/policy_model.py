@@ -45,13 +45,14 @@ from freetoken_sglang.observe.routing_replay import layer_map  # noqa: E402
 from freetoken_sglang.observe.routing_trace import RoutingTrace  # noqa: E402
 from servers import shape_config  # noqa: E402
 
-# label: (policy, admission, fill_reused)
+# label: (policy, admission, fill_reused, return_rule)
 POLICIES = {
-    "fill": ("fill", False, False),
-    "cpu": ("cpu", False, False),
-    "qstar": ("qstar", False, False),
-    "qstar-admit": ("qstar", True, False),
-    "qstar-remiss": ("qstar", False, True),
+    "fill": ("fill", False, False, False),
+    "cpu": ("cpu", False, False, False),
+    "qstar": ("qstar", False, False, False),
+    "qstar-admit": ("qstar", True, False, False),
+    "qstar-remiss": ("qstar", False, True, False),
+    "qstar-return": ("qstar", False, False, True),
 }
 
 
@@ -137,8 +138,8 @@ def main(argv=None) -> int:
     # As bench_decode.py --cache-ratios runs a server: all resident, then shrunk to each ratio
     # in turn (decreasing), bs 1 then bs 4 at each, the cache carried over.
     for label in a.policies.split(","):
-        name, admit, remiss = POLICIES[label]
-        pol = MissPolicy(name, bw[:2], bw[2:], s_bytes, admit, remiss) \
+        name, admit, remiss, ret = POLICIES[label]
+        pol = MissPolicy(name, bw[:2], bw[2:], s_bytes, admit, remiss, ret) \
             if name == "qstar" else MissPolicy(name)
         state = ResidencyState(L * E, L * E, "cpu")
         state.make_all_resident()

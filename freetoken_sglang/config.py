@@ -200,6 +200,16 @@ class FreeTokenConfig:
             "off (default): q* splits every miss, as in the paper.",
         ),
     )
+    return_rule: str = field(
+        default="off",
+        metadata=dict(
+            type=_choice("off", "on"),
+            help="With --freetoken-miss-policy qstar: on keeps a call's CPU experts on the "
+            "CPU only where the time they save now exceeds the later fills of those that "
+            "return (r, the measured share of misses used again within the cache's LRU age); "
+            "otherwise every miss is filled. off (default): Eq. 4 and the lone-miss rule.",
+        ),
+    )
     cpu_branch: str = field(
         default="doorbell",
         metadata=dict(
@@ -524,6 +534,7 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
         ineffective += ["min_free_gb"] if cfg.min_free_gb is not None else []
         ineffective += ["admission"] if cfg.admission != "off" else []
         ineffective += ["fill_reused"] if "fill_reused" in given else []
+        ineffective += ["return_rule"] if "return_rule" in given else []
         ineffective += ["cpu_branch"] if "cpu_branch" in given else []
         ineffective += ["prefill_cpu"] if "prefill_cpu" in given else []
         for name in ineffective:
@@ -541,6 +552,15 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
             problems.append(
                 "--freetoken-admission is used only by --freetoken-miss-policy qstar (fill "
                 "sends every miss to the cache, cpu never fills)"
+            )
+        if "return_rule" in given and cfg.miss_policy != "qstar":
+            problems.append(
+                "--freetoken-return-rule is used only by --freetoken-miss-policy qstar"
+            )
+        elif cfg.return_rule == "on" and cfg.admission != "off":
+            problems.append(
+                "--freetoken-return-rule on would fill the misses --freetoken-admission reuse "
+                "sends to the CPU on purpose: give one of them"
             )
         if "fill_reused" in given and cfg.miss_policy != "qstar":
             problems.append(

@@ -36,6 +36,18 @@ resident, so its reuse distance is within the cache's residency time. The others
 CPU and the cache keeps what it has; q* still caps the fills. The two rules exclude each
 other (together they would fill exactly the reused misses, and q* would split nothing).
 
+The return rule (``--freetoken-return-rule on``, beyond the paper): Eq. 4 weighs one call, but
+an expert the CPU served stays out of the cache, and if its routing returns before the cache
+would have evicted it, it misses again and is filled then: its CPU run saved this call's fill
+only to pay it later. The cache measures r, the share of misses whose expert is used again
+within the LRU age (a hit, or a miss more recent than the least recently used slot), decayed
+over that age (``cache/residency.py``). A call's c CPU experts stay on the CPU only if the time
+they save now, ``T_fill(m) - max(T_fill(q), T_cpu(c))``, exceeds ``r c S / B_P``, the fills
+the returning ones cost later; otherwise all m are filled. At r = 1 (a cache that holds the
+working set) the split can only tie, and every miss is filled; at r = 0 (thrash) it is the
+lone-miss rule. Every term is measured. It combines with the re-miss rule, not with the
+admission rule (whose first misses run on the CPU by design, and return when it works).
+
 Layer calls over more than ``SPLIT_MAX_TOKENS`` rows that reach the LRU (prefill chunks that
 do not stream, ``execute/choice.py``) fill every miss in all
 three policies; the decision is made from shapes alone, so captured graphs keep it.
@@ -69,10 +81,12 @@ class MissPolicy:
         expert_bytes: S, one expert's bytes in the pool (needed with ``fixed_us``).
         admission: the admission rule (``qstar`` only).
         fill_reused: the re-miss rule (``qstar`` only).
+        return_rule: the return rule (``qstar`` only; needs ``expert_bytes``).
 
     Raises:
-        ValueError: unknown name, ``qstar`` without positive bandwidths, or ``fixed_us``
-            without ``expert_bytes``.
+        ValueError: unknown name, ``qstar`` without positive bandwidths, ``fixed_us`` or the
+            return rule without ``expert_bytes``, a rule without ``qstar``, or the admission
+            rule with the re-miss or the return rule.
     """
 
     name: str
@@ -81,6 +95,7 @@ class MissPolicy:
     expert_bytes: int = 0
     admission: bool = False
     fill_reused: bool = False
+    return_rule: bool = False
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -88,14 +103,18 @@ class MissPolicy:
         if self.name == "qstar":
             if not self.bandwidth or min(self.bandwidth) <= 0:
                 raise ValueError("the qstar miss policy needs positive B_P and B_H")
-            if self.fixed_us is not None and self.expert_bytes <= 0:
-                raise ValueError("the lone-miss rule needs the expert's bytes")
-        elif self.admission or self.fill_reused:
-            rule = "admission" if self.admission else "re-miss"
+            if (self.fixed_us is not None or self.return_rule) and self.expert_bytes <= 0:
+                raise ValueError("the lone-miss and return rules need the expert's bytes")
+        elif self.admission or self.fill_reused or self.return_rule:
+            rule = ("admission" if self.admission else "re-miss" if self.fill_reused
+                    else "return")
             raise ValueError(f"the {rule} rule needs the qstar miss policy")
         if self.admission and self.fill_reused:
             raise ValueError("the admission and re-miss rules together leave q* nothing to "
                              "split: give one of them")
+        if self.admission and self.return_rule:
+            raise ValueError("the return rule would fill the misses the admission rule sends "
+                             "to the CPU on purpose: give one of them")
 
     @property
     def decode_split(self) -> MissSplit:
@@ -105,15 +124,16 @@ class MissPolicy:
         if self.name == "cpu":
             return MissSplit(0.0, 0)
         b_p, b_h = self.bandwidth
-        if self.fixed_us is None:
+        if self.fixed_us is None and not self.return_rule:
             return MissSplit(b_p / b_h, 1, admit_reuse=self.admission,
                              fill_reused=self.fill_reused)
-        f_p, f_h = self.fixed_us
+        # unknown fixed costs count as 0 (the return rule alone needs the per-expert times)
+        f_p, f_h = self.fixed_us if self.fixed_us is not None else (0.0, 0.0)
         fill_us = self.expert_bytes / (b_p * 1e3)  # bytes / (GB/s) in us
         # Beside a saturated link the CPU reads at B_H - B_P (Eq. 2); none left: always fill.
         cpu_us = self.expert_bytes / ((b_h - b_p) * 1e3) if b_h > b_p else UNREACHABLE_US
         return MissSplit(b_p / b_h, 1, fill_us, cpu_us, f_p, f_h, self.admission,
-                         self.fill_reused)
+                         self.fill_reused, self.return_rule)
 
     def split_for(self, num_tokens: int) -> MissSplit:
         """The split of a layer call over ``num_tokens`` rows (prefill-sized calls fill)."""
@@ -132,10 +152,11 @@ class MissPolicy:
 
     @property
     def label(self) -> str:
-        """The policy and its rule in the flags' words: ``fill``, ``qstar``, ``cpu``,
-        ``qstar+admission`` or ``qstar+fill_reused``."""
+        """The policy and its rules in the flags' words: ``fill``, ``qstar``, ``cpu``,
+        ``qstar+admission``, ``qstar+fill_reused``, each of the qstar ones optionally
+        followed by ``+return_rule``."""
         rule = "+admission" if self.admission else "+fill_reused" if self.fill_reused else ""
-        return self.name + rule
+        return self.name + rule + ("+return_rule" if self.return_rule else "")
 
     def describe(self) -> str:
         if self.name != "qstar":
@@ -143,6 +164,7 @@ class MissPolicy:
         b_p, b_h = self.bandwidth
         text = ("qstar with the admission rule (reuse) " if self.admission else
                 "qstar with the re-miss rule " if self.fill_reused else "qstar ")
+        text += "and the return rule " if self.return_rule else ""
         text += f"(B_P {b_p:.1f} GB/s, B_H {b_h:.1f} GB/s, q*/m = B_P/B_H = {b_p / b_h:.3f}"
         if self.fixed_us is None:
             return text + "; fixed costs unknown: no lone-miss rule)"

@@ -439,6 +439,7 @@ class FreeTokenRuntime:
                 self.pool.expert_bytes,
                 admission=self.config.admission == "reuse",
                 fill_reused=self.config.fill_reused == "on",
+                return_rule=self.config.return_rule == "on",
             )
         else:
             self.policy = MissPolicy("cpu")
@@ -641,13 +642,15 @@ class FreeTokenRuntime:
     def resize_cache(self, slots: Optional[int] = None, gb: Optional[float] = None,
                      reason: str = "request", miss_policy: Optional[str] = None,
                      admission: Optional[str] = None,
-                     fill_reused: Optional[str] = None) -> "ResizeReport":
+                     fill_reused: Optional[str] = None,
+                     return_rule: Optional[str] = None) -> "ResizeReport":
         """Grow or shrink the GPU expert cache to ``slots`` slots (or ``gb`` GiB, rounded down
         to whole slots), at a scheduler safe point: no forward may be in flight. Keeps the
         most recently used experts that fit, frees the old slot banks before allocating the
         new ones (GPU memory goes back to the device), re-captures SGLang's CUDA graphs and
         keeps the counters. Paper §2.3, §3.3. With ``miss_policy`` (``fill``, ``qstar``,
-        ``cpu``; ``admission`` ``off``/``reuse``, ``fill_reused`` ``off``/``on``, as the
+        ``cpu``; ``admission`` ``off``/``reuse``, ``fill_reused`` and ``return_rule``
+        ``off``/``on``, as the
         flags), the decode miss policy changes at the same point (no size: the same size);
         a rule given alone changes the current q*'s.
 
@@ -660,7 +663,7 @@ class FreeTokenRuntime:
         from freetoken_sglang.cache.resize import ResizeReport, check_invariants, kept_experts
 
         t0 = time.perf_counter()
-        policy_asked = (miss_policy, admission, fill_reused) != (None, None, None)
+        policy_asked = (miss_policy, admission, fill_reused, return_rule) != (None,) * 4
         if self.cache is None or self.backend == "cpu" or not self.cache.num_slots:
             raise ValueError("--freetoken-backend cpu runs every routed expert on the CPU: it "
                              "has no GPU expert cache to resize" +
@@ -696,7 +699,8 @@ class FreeTokenRuntime:
                     f"{reserve / GIB:.2f} GiB SGLang's runtime keeps; ask for fewer slots"
                 )
         # after the size checks: a q* change may measure B_P and B_H (seconds) first
-        new_policy = self._policy_for(miss_policy, admission, fill_reused) if policy_asked else None
+        new_policy = (self._policy_for(miss_policy, admission, fill_reused, return_rule)
+                      if policy_asked else None)
         layout = self._plan_layout(new_slots)
         old_layout, old_slots = old.layout, old.num_slots
         # most recently used first
@@ -770,7 +774,8 @@ class FreeTokenRuntime:
         return report
 
     def _policy_for(self, miss_policy: Optional[str], admission: Optional[str],
-                    fill_reused: Optional[str]) -> MissPolicy:
+                    fill_reused: Optional[str],
+                    return_rule: Optional[str] = None) -> MissPolicy:
         """The miss policy a resize asks for (``resize_cache``): the rules default to off
         with a new ``miss_policy``, to the current ones without. A change to ``qstar`` on a
         server without B_P and B_H measures them now (``bandwidth.resolve``: the profile
@@ -786,13 +791,14 @@ class FreeTokenRuntime:
         keep = miss_policy is None
         adm = admission == "reuse" if admission is not None else keep and cur.admission
         reused = fill_reused == "on" if fill_reused is not None else keep and cur.fill_reused
+        ret = return_rule == "on" if return_rule is not None else keep and cur.return_rule
         if name != "fill" and self.cpu_branch is None:
             raise ValueError(
                 f"the {name} miss policy runs misses on the CPU, and this server started "
                 "without the CPU branch (--freetoken-miss-policy fill): start it with "
                 "--freetoken-miss-policy qstar or cpu to change policies while serving")
         if name != "qstar":
-            return MissPolicy(name, admission=adm, fill_reused=reused)
+            return MissPolicy(name, admission=adm, fill_reused=reused, return_rule=ret)
         try:
             bw = self._resolve_bandwidth()
         except Exception as e:  # noqa: BLE001 - the server keeps serving its old policy
@@ -801,7 +807,7 @@ class FreeTokenRuntime:
                 "server with --freetoken-bandwidth B_P,B_H (python -m freetoken_sglang.profile "
                 "measures them)") from e
         return MissPolicy("qstar", (bw.b_p, bw.b_h), bw.fixed_us, self.pool.expert_bytes,
-                          admission=adm, fill_reused=reused)
+                          admission=adm, fill_reused=reused, return_rule=ret)
 
     def _set_policy(self, policy: MissPolicy) -> None:
         """Serve decode misses by ``policy`` from the next captured or eager forward (the

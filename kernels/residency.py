@@ -66,11 +66,18 @@ def _decide_kernel(
     num_layers,
     q_table_ptr,  # int32 [(E+1)*(E+1)] or [E+1]: fills among r other misses after f forced
     weight_scale,
+    missed_ptr,  # int8 [L*E] (the return rule)
+    returns_ptr,  # fp32 [2] (R, N) (the return rule)
+    fill_us,  # the return rule's branch times (MissSplit), us
+    cpu_us,
+    fill_fixed_us,
+    fixed_diff_us,  # fill_fixed_us - cpu_fixed_us
     E_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
     SLOT_BLOCK: tl.constexpr,
     ADMIT: tl.constexpr,  # the admission rule (MissSplit.admit_reuse)
     REFILL: tl.constexpr,  # the re-miss rule (MissSplit.fill_reused)
+    RETURN: tl.constexpr,  # the return rule (MissSplit.return_rule)
 ):
     e = tl.arange(0, E_PAD)
     nv = tl.load(num_valid_ptr)
@@ -97,7 +104,7 @@ def _decide_kernel(
     tl.store(key_ptr + slot, now * S + slot, mask=hit)
     tl.debug_barrier()
     last = tl.load(last_use_ptr + base + e, mask=em, other=0)
-    if ADMIT or REFILL:
+    if ADMIT or REFILL or RETURN:
         # Reused misses: used more recently than the least recently used slot (its stamp is
         # -1 while a slot is empty: every miss). No miss: no scan (S * 0 loops).
         kmin = tl.load(key_ptr)
@@ -106,9 +113,24 @@ def _decide_kernel(
             keys = tl.load(key_ptr + so, mask=so < S, other=now * S + S)
             kmin = tl.minimum(kmin, tl.min(keys, axis=0))
         oldest = (kmin - ((kmin % S) + S) % S) // S
-        reused = miss & (last > oldest)
+        within = miss & (last > oldest)
+    else:
+        within = miss & (e < 0)
+    if ADMIT or REFILL:
+        reused = within
     else:
         reused = miss & (e < 0)
+    if RETURN:
+        # The return rate r = R / N: misses whose expert is used again within the LRU age
+        # (a hit, or a miss more recent than the least recently used slot) over the misses,
+        # both decayed by 1 - 1/age on calls with misses (residency.py's reference).
+        flag = tl.load(missed_ptr + base + e, mask=em, other=0)
+        n_ret = tl.sum(((flag > 0) & (hit | within)).to(tl.float32), axis=0)
+        age = tl.maximum(now - oldest, 1).to(tl.float32)
+        dec = tl.where(n_miss > 0, 1.0 - 1.0 / age, 1.0)
+        r_cnt = tl.load(returns_ptr) * dec + n_ret
+        n_cnt = tl.load(returns_ptr + 1) * dec
+        rate = tl.where(n_cnt > 0, tl.minimum(r_cnt / tl.maximum(n_cnt, 1e-30), 1.0), 0.0)
     # The re-miss rule fills every reused miss and counts it in q; the rest of q goes to the
     # other misses (the table's row of the forced count).
     if REFILL:
@@ -128,6 +150,19 @@ def _decide_kernel(
     q_rest = tl.minimum(q_rest, tl.sum(eligible.to(tl.int32), axis=0))
     erank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
     fillm = forced | (eligible & (erank < q_rest))
+    if RETURN:
+        # keeps_cpu: the CPU experts stay only where they save more now than r of them cost
+        # in later fills; otherwise every miss is filled.
+        m_f = n_miss.to(tl.float32)
+        q_f = tl.sum(fillm.to(tl.int32), axis=0).to(tl.float32)
+        c_f = m_f - q_f
+        by_fill = c_f * fill_us + tl.where(q_f > 0, 0.0, fill_fixed_us)
+        by_cpu = fixed_diff_us + m_f * fill_us - c_f * cpu_us
+        keep = (c_f <= 0) | (tl.minimum(by_fill, by_cpu) > rate * c_f * fill_us)
+        fillm = tl.where(keep, fillm, miss)
+        tl.store(returns_ptr, r_cnt)
+        tl.store(returns_ptr + 1, n_cnt + m_f)
+        tl.store(missed_ptr + base + e, miss.to(tl.int8), mask=(used > 0) & em)
     q = tl.sum(fillm.to(tl.int32), axis=0)
     rank = tl.cumsum(fillm.to(tl.int32), axis=0) - 1
     cpu = miss & (fillm == 0)
@@ -282,11 +317,18 @@ def decide_triton(
         counters.shape[1],
         q_table(split, E, device),
         float(weight_scale),
+        state.missed,
+        state.returns,
+        float(split.fill_us),
+        float(split.cpu_us),
+        float(split.fill_fixed_us),
+        float(split.fill_fixed_us - split.cpu_fixed_us),
         E_PAD=triton.next_power_of_2(E),
         BLOCK=DECIDE_BLOCK,
         SLOT_BLOCK=_SLOT_BLOCK,
         ADMIT=bool(split.admit_reuse) and state.num_slots > 0,
         REFILL=bool(split.fill_reused) and state.num_slots > 0,
+        RETURN=bool(split.return_rule) and state.num_slots > 0,
         num_warps=DECIDE_WARPS,
     )
     return LayerDecision(plan, ids_out, work)

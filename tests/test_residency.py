@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,9 +28,13 @@ ADMIT = MissSplit(0.6, 1, admit_reuse=True)
 # The re-miss rule (every miss used since that slot's last use fills, counted in q*; the other
 # misses fill what is left of q*), alone, with the cost check, and with admission.
 REFILL = MissSplit(0.25, 1, fill_reused=True)
+# The return rule (fill 200 us, CPU 100 us per expert, fixed 10 / 50 us): 4 misses with one
+# fill keep 3 on the CPU while the return rate r < 0.767; alone and with the re-miss rule.
+RETURN = MissSplit(0.25, 1, 200.0, 100.0, 10.0, 50.0, return_rule=True)
 SPLITS = [FILL_ALL, MissSplit(0.6, 1), MissSplit(0.25, 1), MissSplit(0.0, 0), COSTED, ADMIT,
           REFILL, MissSplit(0.25, 1, 200.0, 100.0, 10.0, 500.0, fill_reused=True),
-          MissSplit(0.6, 1, admit_reuse=True, fill_reused=True)]
+          MissSplit(0.6, 1, admit_reuse=True, fill_reused=True), RETURN,
+          MissSplit(0.6, 1, 200.0, 100.0, 10.0, 50.0, fill_reused=True, return_rule=True)]
 
 
 class ReferenceLRU:
@@ -45,6 +50,10 @@ class ReferenceLRU:
         self.last_use = [0] * (num_layers * num_experts)
         self.counts = [[0] * num_layers for _ in range(5)]
         self.forced = 0  # fills made by the re-miss rule while every slot is in use
+        # the return rule: missed at the last use; decayed returns and misses (fp32)
+        self.missed = [False] * (num_layers * num_experts)
+        self.returns = np.zeros(2, dtype=np.float32)
+        self.overruled = 0  # calls where the return rule filled the CPU experts
 
     def call(self, layer, ids, weights, num_valid, split, scale):
         used = sorted({int(e) for row in ids[:num_valid] for e in row})
@@ -70,6 +79,27 @@ class ReferenceLRU:
         q -= len(forced)
         fillable = [f for f in rest if f in reused] if split.admit_reuse else rest
         to_fill = sorted(forced + fillable[:q])
+        if split.return_rule and self.S:
+            # returns: experts missed at their last use, now a hit or a miss used since the
+            # oldest slot's last use; decayed by 1 - 1/age on calls with misses
+            f32 = np.float32
+            back = [f for f in flat if self.missed[f] and (f in hits or self.last_use[f] > oldest)]
+            if misses:
+                self.returns *= f32(1) - f32(1) / f32(max(self.clock - oldest, 1))
+            self.returns[0] += f32(len(back))
+            r_cnt, n_cnt = self.returns
+            rate = min(r_cnt / n_cnt, f32(1)) if n_cnt > 0 else f32(0)
+            c, mm = f32(m - len(to_fill)), f32(m)
+            fu = f32(split.fill_us)
+            by_fill = c * fu + (f32(0) if to_fill else f32(split.fill_fixed_us))
+            by_cpu = (f32(split.fill_fixed_us - split.cpu_fixed_us) + mm * fu
+                      - c * f32(split.cpu_us))
+            if c > 0 and not min(by_fill, by_cpu) > rate * c * fu:
+                to_fill = sorted(misses)
+                self.overruled += 1
+            self.returns[1] += f32(m)
+            for f in flat:
+                self.missed[f] = f in misses
         to_cpu = [f for f in misses if f not in to_fill]
         q = len(to_fill)
         order = sorted(range(self.S), key=lambda s: (self.stamp[s], s))
@@ -180,6 +210,10 @@ def test_decide_matches_reference_lru(seed):
     # the re-miss rule filled misses beyond the split in a full cache (the kernel runs these
     # splits against the torch reference in test_triton_kernel_matches_the_torch_reference)
     assert (ref.forced > 0) == split.fill_reused
+    # the return rule filled every miss of some calls and left others on the CPU
+    assert (ref.overruled > 0) == split.return_rule
+    assert state.missed.tolist() == [int(x) for x in ref.missed]
+    assert state.returns.tolist() == ref.returns.tolist()
 
 
 def test_qstar_split_counts():
@@ -307,6 +341,33 @@ def test_remiss_rule_counts_its_fills_in_q(use_kernel):
     fills = [src for src, _ in plans]
     assert fills == [[0, 1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11, 12, 13]]
     assert cpu == [[], [8, 9], [11, 12, 13], [14]]
+
+
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])
+def test_return_rule_fills_what_returns_and_keeps_the_cpu_for_what_does_not(use_kernel):
+    # RETURN: fill 200 us, CPU 100 us per expert, F_P 10, F_H 50; q*/m = 0.25. One layer of 16
+    # experts, 8 slots. 1: four misses, r = 0 (no miss yet): q* = 1 fill (0), 1-3 on the CPU.
+    # 2: the same four: 0 hits and 1-3 miss again within the LRU age (slots still empty), all
+    #    four return: r = 4 / (4 x 2/3) -> 1; 3 misses with q* = 1 would save min(400, 360) us
+    #    now against 1 x 2 x 200 later: every miss is filled.
+    # 3: four experts never used: no return, r = 3 / 4.25 = 0.71 (both decayed by 3/4):
+    #    saving min(600, 460) > 0.71 x 3 x 200 = 424: q* = 1 fill, 3 on the CPU.
+    # Without the rule call 2 fills one miss and runs two on the CPU.
+    for split, want in ((RETURN, [[0], [1, 2, 3], [4]]),
+                        (MissSplit(0.25, 1, 200.0, 100.0, 10.0, 50.0), [[0], [1], [4]])):
+        state, counters, plans, cpu = one_row_calls(
+            use_kernel, split, 16, 8, ([0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 6, 7]))
+        assert [src for src, _ in plans] == want, split
+        if split.return_rule:
+            assert cpu == [[1, 2, 3], [], [5, 6, 7]]
+            r, n = state.returns.tolist()
+            assert r == pytest.approx(4 * 0.75, rel=1e-6)  # decayed at call 3 (age 4)
+            assert n == pytest.approx((4 * 2 / 3 + 3) * 0.75 + 4, rel=1e-6)
+            assert state.return_rate == pytest.approx(r / n)
+            assert state.missed.tolist() == [0, 1, 1, 1, 1, 1, 1, 1] + [0] * 8  # missed last
+        else:
+            assert cpu == [[1, 2, 3], [2, 3], [5, 6, 7]]
+            assert state.returns.tolist() == [0.0, 0.0]
 
 
 def test_q_table_entries_are_the_split():
@@ -440,7 +501,7 @@ def test_triton_kernel_matches_the_torch_reference(seed):
         for f in ("rows", "experts"):
             assert getattr(db.cpu, f)[:c].tolist() == getattr(da.cpu, f)[:c].tolist()
         assert torch.allclose(db.cpu.weights[:c], da.cpu.weights[:c])
-        for name in ("residency", "owner", "key", "clock", "last_use"):
+        for name in ("residency", "owner", "key", "clock", "last_use", "missed", "returns"):
             assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
     assert torch.equal(ca, cb)
     assert ca[3].sum() + ca[4].sum() > 0, "the sequence should evict or use the CPU"

@@ -204,7 +204,8 @@ def test_resize_bodies():
 def test_policy_bodies_travel_as_numbers():
     assert parse_body({"miss_policy": "cpu"}) == {"miss_policy": "cpu"}
     for body in ({"slots": 9, "miss_policy": "qstar", "admission": "reuse"},
-                 {"gb": 1.5, "fill_reused": "on"}, {"miss_policy": "fill"}):
+                 {"gb": 1.5, "fill_reused": "on"}, {"miss_policy": "fill"},
+                 {"return_rule": "on", "fill_reused": "on"}):
         args = to_args(parse_body(body))
         assert all(type(v) in (int, float) for v in args.values())  # SetInternalStateReq
         assert from_args({KEY_ID: 1, **args}) == parse_body(body)
@@ -218,6 +219,7 @@ def test_policy_bodies_travel_as_numbers():
                                   {"gb": float("inf")}, {"gb": float("nan")},
                                   {"miss_policy": "lru"}, {"miss_policy": 1},
                                   {"admission": "on"}, {"fill_reused": True},
+                                  {"return_rule": "yes"},
                                   {"slots": 3, "gb": 1, "miss_policy": "fill"}])
 def test_bad_resize_bodies_are_refused(body):
     with pytest.raises(ValueError):
@@ -339,7 +341,7 @@ def test_resize_under_load_matches_stock_sglang(tiny_checkpoint, tmp_path):
     assert not_json.json()["error"].endswith('send {"gb": G} or {"slots": N}, and/or '
                                              '{"miss_policy": "fill"|"qstar"|"cpu"} with '
                                              '"admission": "off"|"reuse" or "fill_reused": '
-                                             '"off"|"on"')
+                                             '"off"|"on", and "return_rule": "off"|"on"')
     assert final["cache"]["slots"] == 24 and final["cache"]["resizes"] == len(SIZES)
     assert log.count("GPU expert cache resized (request)") == len(SIZES)
 
@@ -376,6 +378,9 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
         to_admit = post({"miss_policy": "qstar", "admission": "reuse"})
         both = post({"fill_reused": "on"})  # with the admission rule kept: refused
         got_admit, s2 = _generate(ft.url)
+        with_admit = post({"return_rule": "on"})  # the admission rule kept: refused
+        to_return = post({"admission": "off", "return_rule": "on"})
+        got_return, s2r = _generate(ft.url)
         to_fill = post({"miss_policy": "fill", "slots": 24})
         got_fill, s3 = _generate(ft.url)
         log = ft.log()
@@ -393,12 +398,19 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     assert both.status_code == 400 and "give one of them" in both.json()["error"]
     assert got_admit == want and (s2["miss_policy"], s2["admission"]) == ("qstar", "reuse")
     assert d(s1, s2, "cpu") > 0
+    assert to_return.status_code == 200, to_return.text
+    assert with_admit.status_code == 400 and "give one of them" in with_admit.json()["error"]
+    assert to_return.json()["miss_policy"] == "qstar+return_rule"
+    assert got_return == want and (s2r["admission"], s2r["return_rule"]) == ("off", "on")
+    assert d(s2, s2r, "reads") > 0 and 0 <= s2r["cache"]["return_rate"] <= 1
+    s2 = s2r
     assert to_fill.status_code == 200 and to_fill.json()["new_slots"] == 24
     assert to_fill.json()["reason"] == "request" and s3["cache"]["configured_slots"] == 24
     assert got_fill == want and (s3["miss_policy"], s3["admission"]) == ("fill", "off")
     assert d(s2, s3, "cpu") == 0 and d(s2, s3, "fills") > 0
     assert "decode misses now cpu (was qstar): " in log
-    assert "decode misses now fill (was qstar+admission): " in log
+    assert "decode misses now qstar+return_rule (was qstar+admission): " in log
+    assert "decode misses now fill (was qstar+return_rule): " in log
 
 
 def test_a_failed_bandwidth_measurement_refuses_the_change():

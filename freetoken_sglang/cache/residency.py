@@ -15,6 +15,9 @@ The state, shared by all MoE layers:
     clock      int64 [1]        advanced once per layer call
     last_use   int64 [L*E]      clock value of each expert's last use: hit, fill or CPU run
                                 (0: never); the admission rule reads it
+    missed     int8  [L*E]      1 where the expert missed at its last use (the return rule)
+    returns    fp32  [2]        (R, N): decayed counts of returns and of misses (the return
+                                rule's rate r = R / N)
 
 LRU order: the victims of a call's fills are the slots with the smallest keys, i.e. the
 least recently used, ties broken by the lowest slot. Experts used by the call are stamped
@@ -49,7 +52,13 @@ class MissSplit:
     fill the rest of ``q``), and the cost check weighs the ``m - max(f, q)`` CPU experts
     (``fill_count_after``). With ``admit_reuse`` (the admission rule) only reused misses may be
     filled (at most q of them, in expert order); the other misses run on the CPU and leave the
-    cache as it is. With both, exactly the reused misses are filled."""
+    cache as it is. With both, exactly the reused misses are filled.
+
+    With ``return_rule`` (``miss_policy.py``) the c CPU experts left after the above stay on
+    the CPU only if the time they save now exceeds the fills they are expected to cost later
+    (``keeps_cpu``), with ``r`` the measured rate at which missed experts are used again
+    within the cache's LRU age (``ResidencyState.returns``); otherwise every miss is
+    filled."""
 
     fill_ratio: float = 1.0
     min_fill: int = 0
@@ -59,6 +68,7 @@ class MissSplit:
     cpu_fixed_us: float = 0.0
     admit_reuse: bool = False
     fill_reused: bool = False
+    return_rule: bool = False
 
 
 FILL_ALL = MissSplit(1.0, 0)
@@ -120,6 +130,16 @@ class ResidencyState:
         self.key = self.slots - num_slots
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
         self.last_use = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.missed = torch.zeros(num_rows, dtype=torch.int8, device=device)
+        self.returns = torch.zeros(2, dtype=torch.float32, device=device)
+
+    @property
+    def return_rate(self) -> float:
+        """r: the decayed share of misses whose expert was used again within the cache's LRU
+        age (a hit, or a miss more recent than the least recently used slot); 0 before any
+        miss. Reads the device (a sync): for stats, not the decode path."""
+        r, n = self.returns.tolist()
+        return min(1.0, r / n) if n > 0 else 0.0
 
     @property
     def stamp(self) -> torch.Tensor:
@@ -133,6 +153,8 @@ class ResidencyState:
         torch.sub(self.slots, self.num_slots, out=self.key)
         self.clock.zero_()
         self.last_use.zero_()
+        self.missed.zero_()
+        self.returns.zero_()
 
     def make_all_resident(self) -> None:
         """Slot ``i`` holds flat expert ``i`` for every expert.
@@ -252,6 +274,22 @@ def fill_count_after(forced: torch.Tensor, rest: torch.Tensor, split: MissSplit)
     return q - forced
 
 
+def keeps_cpu(q: torch.Tensor, m: torch.Tensor, rate: torch.Tensor,
+               split: MissSplit) -> torch.Tensor:
+    """The return rule (``MissSplit.return_rule``): whether a call's ``c = m - q`` CPU experts
+    (``q`` fills of ``m`` misses) stay on the CPU. They save, now, ``T_fill(m) - max(T_fill(q),
+    T_cpu(c))`` = ``min(c S/B_P [+ F_P if q = 0], F_P + m S/B_P - F_H - c S/(B_H - B_P))`` (the
+    branch times of ``miss_policy.py``), and are expected to cost ``rate * c`` later fills of
+    ``S/B_P`` each (the returning ones miss again): they stay where the saving is larger.
+    bool tensor; fp32 arithmetic as in the decision kernel; True where ``c = 0``."""
+    q, m = q.float(), m.float()
+    c = m - q
+    f = split.fill_us
+    by_fill = c * f + torch.where(q > 0, 0.0, split.fill_fixed_us)
+    by_cpu = (split.fill_fixed_us - split.cpu_fixed_us) + m * f - c * split.cpu_us
+    return (c <= 0) | (torch.minimum(by_fill, by_cpu) > rate * c * f)
+
+
 def decide_reference(
     state: ResidencyState,
     counters: torch.Tensor,
@@ -289,17 +327,37 @@ def decide_reference(
     # slot is empty: every miss). The re-miss rule fills them all and counts them in q; the
     # rest of q goes to the other misses, any of them or (admission) only reused ones.
     layer_last = state.last_use[base : base + E]
-    if (split.admit_reuse or split.fill_reused) and S > 0:
+    rules = split.admit_reuse or split.fill_reused or split.return_rule
+    if rules and S > 0 and bool(miss.any()):
         oldest = torch.div(state.key.min(), S, rounding_mode="floor")
-        reused = miss & (layer_last > oldest)
+        within = miss & (layer_last > oldest)
     else:
-        reused = torch.zeros_like(miss)
+        oldest = None
+        within = torch.zeros_like(miss)
+    reused = within if (split.admit_reuse or split.fill_reused) else torch.zeros_like(miss)
+    returning = split.return_rule and S > 0
+    if returning:
+        # The return rate: experts that missed at their last use and are used again within
+        # the LRU age (hits, or misses more recent than the least recently used slot), over
+        # the misses; both decay by 1 - 1/age per call with misses (age: the clock since the
+        # least recently used slot's stamp), so r follows the cache's own residency time.
+        layer_missed = state.missed[base : base + E]
+        n_ret = ((layer_missed > 0) & (hit | within)).sum().float()
+        rn = state.returns
+        if oldest is not None:
+            rn.mul_(1.0 - 1.0 / (now - oldest).clamp(min=1).float())
+        rn[0] += n_ret
+        rate = torch.where(rn[1] > 0, rn[0] / rn[1].clamp(min=1e-30), rn.new_zeros(())).clamp(max=1.0)
     forced = reused if split.fill_reused else torch.zeros_like(miss)
     rest = miss & ~forced
     eligible = rest & reused if split.admit_reuse else rest
     q = torch.minimum(fill_count_after(forced.sum().int(), rest.sum().int(), split),
                       eligible.sum().int())
     fill = forced | (eligible & (torch.cumsum(eligible.int(), 0) - 1 < q))
+    if returning:
+        fill = torch.where(keeps_cpu(fill.sum(), miss.sum(), rate, split), fill, miss)
+        rn[1] += miss.sum().float()
+        layer_missed.copy_(torch.where(used, miss.to(torch.int8), layer_missed))
     rank = torch.cumsum(fill.int(), 0) - 1
     cpu = miss & ~fill
 

@@ -78,11 +78,14 @@ def stats_document(rt) -> Dict[str, object]:
             "resizes": rt.resizes,
             "last_resize": rt.last_resize,
             "resize_answers": {str(k): v for k, v in rt.resize_answers.items()},
+            # the return rule's r (cache/residency.py; 0 unless that rule has run)
+            "return_rate": rt.cache.residency.return_rate,
         }
     out["backend"] = rt.backend
     out["miss_policy"] = rt.policy.name if rt.policy else None
     out["admission"] = "reuse" if rt.policy is not None and rt.policy.admission else "off"
     out["fill_reused"] = "on" if rt.policy is not None and rt.policy.fill_reused else "off"
+    out["return_rule"] = "on" if rt.policy is not None and rt.policy.return_rule else "off"
     if rt.choice is not None:
         out["prefill_mode"] = {
             "mode": rt.choice.prefill,
