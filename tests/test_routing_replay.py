@@ -80,7 +80,13 @@ def test_replayed_ids_reach_the_layers_and_the_counters_equal_replay_py(tiny_che
         log_path=str(tmp_path / "server.log"),
     )
     try:
-        for prompt, n in (([5, 6, 7, 8], 30), (list(range(40, 70)), 6)):
+        for prompt, n in (([5, 6, 7, 8], 30), (list(range(40, 70)), 6), (None, 0), ([9, 10], 3)):
+            if prompt is None:  # a resize to the same size: the replay starts again at row 0
+                before = requests.get(server.url + "/freetoken/stats", timeout=60).json()
+                r = requests.post(server.url + "/freetoken/cache", json={"slots": 16},
+                                  timeout=300)
+                r.raise_for_status()
+                continue
             r = requests.post(server.url + "/generate", json={
                 "input_ids": prompt, "sampling_params": {"max_new_tokens": n,
                                                          "ignore_eos": True}}, timeout=300)
@@ -91,9 +97,13 @@ def test_replayed_ids_reach_the_layers_and_the_counters_equal_replay_py(tiny_che
     assert "ROUTING REPLAYED (benchmark only" in server.log()
     trace = RoutingTrace.load(rec)
     n = trace.ids.shape[0]
-    assert n >= 4 + 29 + 30 + 5 > ids.shape[0]  # round the trace at least once
-    # what the layers routed to: the trace's rows in order, trace layer l*2//4 for layer l
-    want = ids[np.arange(n) % ids.shape[0]][:, [0, 0, 1, 1]]
+    first = before["routing_replay"]["rows_used"]  # the rows before the resize
+    assert first >= 4 + 29 + 30 + 5 > ids.shape[0]  # round the trace at least once
+    assert n - first >= 2 + 2  # the last request's prompt and decode steps
+    # what the layers routed to: the trace's rows in order, trace layer l*2//4 for layer l,
+    # and from row 0 again after the resize
+    rows = np.concatenate([np.arange(first) % ids.shape[0], np.arange(n - first)])
+    want = ids[rows][:, [0, 0, 1, 1]]
     assert np.array_equal(trace.ids, want)
     assert stats["routing_replay"]["rows_used"] == n
     assert stats["routing_replay"]["layer_map"] == [0, 0, 1, 1]

@@ -112,6 +112,12 @@ class RoutingReplay:
         self.cursor.zero_()
         self.rows_used = 0
 
+    def rewind(self) -> None:
+        """Back to the first row, ``rows_used`` kept (after a resize or a policy change: every
+        cache size and policy of a benchmark matrix then replays the same rows)."""
+        self.cursor.zero_()
+        self._gathered = None
+
     def describe(self) -> str:
         what = "synthetic routing" if self.meta.get("synthetic") else (
             f"the routing of {self.meta.get('model') or 'an unnamed model'}")
