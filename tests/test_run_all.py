@@ -827,12 +827,13 @@ def test_bench_decode_then_changes_the_policy_of_one_server(monkeypatch, tmp_pat
              "--out-dir", str(tmp_path)])
     doc = json.loads((tmp_path / "bench_decode.json").read_text())
     assert [r["label"] for r in doc["results"]] == ["ft-qstar", "ft-fill", "ft-admit"]
-    assert posts == [{"slots": 32}, {"slots": 16},
+    assert posts == [{"slots": 32}, {"slots": 32}, {"slots": 16},  # the first: warm-up
                      {"slots": 64, "miss_policy": "fill"}, {"slots": 32}, {"slots": 16},
                      {"slots": 64, "miss_policy": "qstar", "admission": "reuse"},
                      {"slots": 32}, {"slots": 16}]
     assert [c["bs1_decode_tok_s"] for c in doc["results"][1]["by_ratio"]] == [64.0, 32.0]
     assert doc["results"][2]["freetoken"]["miss_policy"] == "qstar"
+    assert doc["results"][0]["warm_cell"]["slots"] == 32 and "warm_cell" not in doc["results"][1]
     assert "| ft-fill@0.25 | 32.00 | 128.00 | 0.333 |" in (tmp_path / "bench_decode.md").read_text()
     for spec, why in (("x=fill,--freetoken-cache-ratio,0.5", "cannot change while serving"),
                       ("x=lru", "must be one of"), ("=fill", "give LABEL=POLICY")):
