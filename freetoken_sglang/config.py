@@ -553,24 +553,15 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
                 "--freetoken-admission is used only by --freetoken-miss-policy qstar (fill "
                 "sends every miss to the cache, cpu never fills)"
             )
-        if "return_rule" in given and cfg.miss_policy != "qstar":
-            problems.append(
-                "--freetoken-return-rule is used only by --freetoken-miss-policy qstar"
-            )
-        elif cfg.return_rule == "on" and cfg.admission != "off":
-            problems.append(
-                "--freetoken-return-rule on would fill the misses --freetoken-admission reuse "
-                "sends to the CPU on purpose: give one of them"
-            )
-        if "fill_reused" in given and cfg.miss_policy != "qstar":
-            problems.append(
-                "--freetoken-fill-reused is used only by --freetoken-miss-policy qstar"
-            )
-        elif cfg.fill_reused == "on" and cfg.admission != "off":
-            problems.append(
-                "--freetoken-fill-reused on with --freetoken-admission reuse fills exactly the "
-                "reused misses and leaves q* nothing to split: give one of them"
-            )
+        # q*'s rules beside the admission rule: why each excludes it
+        for name, why in (("return_rule", "would fill the misses --freetoken-admission reuse "
+                                          "sends to the CPU on purpose"),
+                          ("fill_reused", "with --freetoken-admission reuse fills exactly the "
+                                          "reused misses and leaves q* nothing to split")):
+            if name in given and cfg.miss_policy != "qstar":
+                problems.append(f"{cli_name(name)} is used only by --freetoken-miss-policy qstar")
+            elif getattr(cfg, name) == "on" and cfg.admission != "off":
+                problems.append(f"{cli_name(name)} on {why}: give one of them")
         for name in ("cpu_threads", "cpu_isa"):
             if name in given and cfg.miss_policy == "fill" and cfg.prefill_cpu == "off":
                 problems.append(
