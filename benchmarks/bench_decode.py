@@ -271,6 +271,9 @@ def run_system(label, model_path, flags, args, sampler, log_dir,
             first = result["by_ratio"][0]
             result.update({k: v for k, v in first.items() if k.startswith(("bs1", "bs4"))})
             result["freetoken"] = ft_summary(freetoken_stats(url))
+            then_log = os.path.join(log_dir, f"{label}.then.jsonl")
+            if then and os.path.exists(then_log):
+                os.remove(then_log)  # this run's policies only
             for then_label, body in then:
                 # back to the starting size (a cache that held every expert keeps the same
                 # share of every layer at the next shrink, as at start), in the new policy
@@ -290,7 +293,7 @@ def run_system(label, model_path, flags, args, sampler, log_dir,
                     other["freetoken"] = ft_summary(freetoken_stats(url))
                 switched.append(other)
                 # as it goes: a call that runs out of time keeps the policies measured so far
-                with open(os.path.join(log_dir, f"{label}.then.jsonl"), "a") as f:
+                with open(then_log, "a") as f:
                     f.write(json.dumps(other) + "\n")
         else:
             result.update(measure_decode(url, args.input_len, args.new_tokens, args.repeats,
@@ -463,8 +466,8 @@ def main(argv=None):
                     help="with --cache-ratios: after the last FreeToken system's ratios, change "
                          "its miss policy (POLICY fill, qstar or cpu; FLAG --freetoken-admission, "
                          "--freetoken-fill-reused or --freetoken-return-rule) at its starting "
-                         "size and measure the ratios again, as the system LABEL; repeatable. That server must "
-                         "start with qstar or cpu")
+                         "size and measure the ratios again, as the system LABEL; "
+                         "repeatable. That server must start with qstar or cpu")
     ap.add_argument("--out-dir", default=tempfile.mkdtemp(prefix="ft-bench-"))
     ap.add_argument("--report", nargs="+", default=None, metavar="JSON",
                     help="print the tables (and the roofline table) of these bench_decode.json "

@@ -553,6 +553,10 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
                 "--freetoken-admission is used only by --freetoken-miss-policy qstar (fill "
                 "sends every miss to the cache, cpu never fills)"
             )
+        if cfg.return_rule == "on" and cfg.bandwidth is not None and len(cfg.bandwidth) == 2:
+            problems.append("--freetoken-return-rule on needs the branches' fixed costs: give "
+                            "--freetoken-bandwidth B_P,B_H,F_P,F_H, or no --freetoken-bandwidth "
+                            "(FreeToken measures them)")
         # q*'s rules beside the admission rule: why each excludes it
         for name, why in (("return_rule", "would fill the misses --freetoken-admission reuse "
                                           "sends to the CPU on purpose"),

@@ -30,7 +30,7 @@ POLICY_KEYS = {
     "return_rule": (("off", "on"), KEY_RETURN_RULE),
 }
 BODIES = ('{"gb": G} or {"slots": N}, and/or {"miss_policy": "fill"|"qstar"|"cpu"} '
-          'with "admission": "off"|"reuse" or "fill_reused": "off"|"on", and '
+          'with "admission": "off"|"reuse" or "fill_reused": "off"|"on", and/or '
           '"return_rule": "off"|"on"')
 
 

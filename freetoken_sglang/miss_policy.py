@@ -45,7 +45,8 @@ over that age (``cache/residency.py``). A call's c CPU experts stay on the CPU o
 they save now, ``T_fill(m) - max(T_fill(q), T_cpu(c))``, exceeds ``r c S / B_P``, the fills
 the returning ones cost later; otherwise all m are filled. At r = 1 (a cache that holds the
 working set) the split can only tie, and every miss is filled; at r = 0 (thrash) it is the
-lone-miss rule. Every term is measured. It combines with the re-miss rule, not with the
+lone-miss rule. Every term is measured (the fixed costs too: it needs them); r starts at 0
+at every resize or policy change. It combines with the re-miss rule, not with the
 admission rule (whose first misses run on the CPU by design, and return when it works).
 
 Layer calls over more than ``SPLIT_MAX_TOKENS`` rows that reach the LRU (prefill chunks that
@@ -85,8 +86,8 @@ class MissPolicy:
 
     Raises:
         ValueError: unknown name, ``qstar`` without positive bandwidths, ``fixed_us`` or the
-            return rule without ``expert_bytes``, a rule without ``qstar``, or the admission
-            rule with the re-miss or the return rule.
+            return rule without ``expert_bytes``, the return rule without ``fixed_us``, a rule
+            without ``qstar``, or the admission rule with the re-miss or the return rule.
     """
 
     name: str
@@ -105,6 +106,10 @@ class MissPolicy:
                 raise ValueError("the qstar miss policy needs positive B_P and B_H")
             if (self.fixed_us is not None or self.return_rule) and self.expert_bytes <= 0:
                 raise ValueError("the lone-miss and return rules need the expert's bytes")
+            if self.return_rule and self.fixed_us is None:
+                raise ValueError("the return rule needs the branches' fixed costs: give "
+                                 "--freetoken-bandwidth B_P,B_H,F_P,F_H or let FreeToken "
+                                 "measure them (python -m freetoken_sglang.profile)")
         elif self.admission or self.fill_reused or self.return_rule:
             rule = ("admission" if self.admission else "re-miss" if self.fill_reused
                     else "return")
@@ -124,11 +129,10 @@ class MissPolicy:
         if self.name == "cpu":
             return MissSplit(0.0, 0)
         b_p, b_h = self.bandwidth
-        if self.fixed_us is None and not self.return_rule:
+        if self.fixed_us is None:
             return MissSplit(b_p / b_h, 1, admit_reuse=self.admission,
                              fill_reused=self.fill_reused)
-        # unknown fixed costs count as 0 (the return rule alone needs the per-expert times)
-        f_p, f_h = self.fixed_us if self.fixed_us is not None else (0.0, 0.0)
+        f_p, f_h = self.fixed_us
         fill_us = self.expert_bytes / (b_p * 1e3)  # bytes / (GB/s) in us
         # Beside a saturated link the CPU reads at B_H - B_P (Eq. 2); none left: always fill.
         cpu_us = self.expert_bytes / ((b_h - b_p) * 1e3) if b_h > b_p else UNREACHABLE_US

@@ -732,8 +732,8 @@ class FreeTokenRuntime:
                 f"{old_policy.label}"
             ) from e
         self._restore_serving_state(saved)
-        if self.replay is not None:  # each size and policy replays the trace from its start
-            self.replay.rewind()
+        if self.replay is not None and reason in ("request", "policy"):
+            self.replay.rewind()  # each size and policy asked for replays the trace from row 0
         if reason == "request":  # the size --freetoken-min-free-gb grows back to
             self.configured_slots = new_slots
         if self.device.type == "cuda" and self.cache.nbytes < old_slots * per:

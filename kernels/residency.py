@@ -126,11 +126,14 @@ def _decide_kernel(
         # both decayed by 1 - 1/age on calls with misses (residency.py's reference).
         flag = tl.load(missed_ptr + base + e, mask=em, other=0)
         n_ret = tl.sum(((flag > 0) & (hit | within)).to(tl.float32), axis=0)
+        # round-to-nearest divisions, and no fused multiply-adds (enable_fp_fusion=False at
+        # the launch): each fp32 operation rounds as torch's do in the reference
         age = tl.maximum(now - oldest, 1).to(tl.float32)
-        dec = tl.where(n_miss > 0, 1.0 - 1.0 / age, 1.0)
+        dec = tl.where(n_miss > 0, 1.0 - tl.div_rn(1.0, age), 1.0)
         r_cnt = tl.load(returns_ptr) * dec + n_ret
         n_cnt = tl.load(returns_ptr + 1) * dec
-        rate = tl.where(n_cnt > 0, tl.minimum(r_cnt / tl.maximum(n_cnt, 1e-30), 1.0), 0.0)
+        rate = tl.where(n_cnt > 0, tl.minimum(tl.div_rn(r_cnt, tl.maximum(n_cnt, 1e-30)), 1.0),
+                        0.0)
     # The re-miss rule fills every reused miss and counts it in q; the rest of q goes to the
     # other misses (the table's row of the forced count).
     if REFILL:
@@ -330,6 +333,7 @@ def decide_triton(
         REFILL=bool(split.fill_reused) and state.num_slots > 0,
         RETURN=bool(split.return_rule) and state.num_slots > 0,
         num_warps=DECIDE_WARPS,
+        enable_fp_fusion=False,  # the return rule's fp32 sums round as the reference's
     )
     return LayerDecision(plan, ids_out, work)
 

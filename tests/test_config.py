@@ -99,6 +99,8 @@ def test_miss_policy_flags():
         ({"freetoken_return_rule": "on"}, "--freetoken-return-rule is used only by"),
         ({"freetoken_miss_policy": "qstar", "freetoken_return_rule": "on",
           "freetoken_admission": "reuse"}, "sends to the CPU on purpose: give one of them"),
+        ({"freetoken_miss_policy": "qstar", "freetoken_return_rule": "on",
+          "freetoken_bandwidth": "40,80"}, "needs the branches' fixed costs: give"),
         ({"freetoken_backend": "cpu", "freetoken_return_rule": "on"},
          "--freetoken-return-rule has no effect with --freetoken-backend cpu"),
         ({"freetoken_backend": "cpu", "freetoken_fill_reused": "on"},

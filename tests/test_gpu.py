@@ -45,8 +45,10 @@ def test_decide_on_cuda_matches_reference():
         admit = MissSplit(0.6, 1, admit_reuse=True)
         refill = MissSplit(0.4, 1, 200.0, 100.0, 10.0, 500.0, fill_reused=True)
         both = MissSplit(0.6, 1, admit_reuse=True, fill_reused=True)
-        split = (rng.choice([MissSplit(0.6, 1), MissSplit(0.7, 1), costed, admit, refill, both])
-                 if T <= 16 else MissSplit(1.0, 0))
+        # the return rule (fp32 arithmetic: the kernel must round as torch does)
+        ret = MissSplit(0.4, 1, 145.51, 182.67, 33.1, 4.0, return_rule=True)
+        split = (rng.choice([MissSplit(0.6, 1), MissSplit(0.7, 1), costed, admit, refill, both,
+                             ret, ret]) if T <= 16 else MissSplit(1.0, 0))
         ids = torch.tensor([rng.sample(range(E), k) for _ in range(T)], dtype=torch.int32)
         w = torch.rand(T, k)
         nv = torch.tensor([rng.randint(1, T)], dtype=torch.int32)
@@ -60,7 +62,7 @@ def test_decide_on_cuda_matches_reference():
         c = int(da.cpu.count)
         assert db.cpu.experts[:c].tolist() == da.cpu.experts[:c].tolist()
         assert db.cpu.rows[:c].tolist() == da.cpu.rows[:c].tolist()
-    for name in ("residency", "owner", "key", "clock", "last_use"):
+    for name in ("residency", "owner", "key", "clock", "last_use", "missed", "returns"):
         assert torch.equal(getattr(a, name), getattr(b, name).cpu()), name
     assert torch.equal(ca, cb.cpu())
 

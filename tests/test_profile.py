@@ -96,6 +96,23 @@ def test_miss_policies():
         MissPolicy("cpu", fill_reused=True)
     with pytest.raises(ValueError, match="expert's bytes"):
         MissPolicy("qstar", (55.0, 110.0), (1.0, 2.0))
+    # the return rule: the per-expert times and fixed costs in the split, its label and text
+    ret = MissPolicy("qstar", (50.0, 150.0), (10.0, 20.0), 1_000_000, return_rule=True)
+    assert ret.decode_split == MissSplit(1 / 3, 1, 20.0, 10.0, 10.0, 20.0, return_rule=True)
+    assert ret.label == "qstar+return_rule"
+    assert ret.describe().startswith("qstar and the return rule (B_P 50.0 GB/s")
+    remiss_ret = MissPolicy("qstar", (50.0, 150.0), (10.0, 20.0), 1, fill_reused=True,
+                            return_rule=True)
+    assert remiss_ret.label == "qstar+fill_reused+return_rule"
+    for change, why in (({"admission": True}, "give one of them"),
+                        ({"fixed_us": None}, "needs the branches' fixed costs"),
+                        ({"expert_bytes": 0}, "expert's bytes")):
+        args = dict(bandwidth=(50.0, 150.0), fixed_us=(10.0, 20.0), expert_bytes=1,
+                    return_rule=True)
+        with pytest.raises(ValueError, match=why):
+            MissPolicy("qstar", **{**args, **change})
+    with pytest.raises(ValueError, match="return rule needs the qstar miss policy"):
+        MissPolicy("fill", return_rule=True)
 
 
 def test_lone_miss_rule_from_measured_costs():

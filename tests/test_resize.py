@@ -341,7 +341,7 @@ def test_resize_under_load_matches_stock_sglang(tiny_checkpoint, tmp_path):
     assert not_json.json()["error"].endswith('send {"gb": G} or {"slots": N}, and/or '
                                              '{"miss_policy": "fill"|"qstar"|"cpu"} with '
                                              '"admission": "off"|"reuse" or "fill_reused": '
-                                             '"off"|"on", and "return_rule": "off"|"on"')
+                                             '"off"|"on", and/or "return_rule": "off"|"on"')
     assert final["cache"]["slots"] == 24 and final["cache"]["resizes"] == len(SIZES)
     assert log.count("GPU expert cache resized (request)") == len(SIZES)
 

@@ -15,9 +15,10 @@ The state, shared by all MoE layers:
     clock      int64 [1]        advanced once per layer call
     last_use   int64 [L*E]      clock value of each expert's last use: hit, fill or CPU run
                                 (0: never); the admission rule reads it
-    missed     int8  [L*E]      1 where the expert missed at its last use (the return rule)
-    returns    fp32  [2]        (R, N): decayed counts of returns and of misses (the return
-                                rule's rate r = R / N)
+    missed     int8  [L*E]      1 where the expert missed at its last use in a call under the
+                                return rule (other calls leave it as it was)
+    returns    fp32  [2]        (R, N): decayed counts of returns and of misses in calls under
+                                the return rule (its rate r = R / N; a resize starts them at 0)
 
 LRU order: the victims of a call's fills are the slots with the smallest keys, i.e. the
 least recently used, ties broken by the lowest slot. Experts used by the call are stamped
@@ -347,7 +348,8 @@ def decide_reference(
         if oldest is not None:
             rn.mul_(1.0 - 1.0 / (now - oldest).clamp(min=1).float())
         rn[0] += n_ret
-        rate = torch.where(rn[1] > 0, rn[0] / rn[1].clamp(min=1e-30), rn.new_zeros(())).clamp(max=1.0)
+        rate = torch.where(rn[1] > 0, rn[0] / rn[1].clamp(min=1e-30),
+                           rn.new_zeros(())).clamp(max=1.0)
     forced = reused if split.fill_reused else torch.zeros_like(miss)
     rest = miss & ~forced
     eligible = rest & reused if split.admit_reuse else rest

@@ -78,8 +78,9 @@ def stats_document(rt) -> Dict[str, object]:
             "resizes": rt.resizes,
             "last_resize": rt.last_resize,
             "resize_answers": {str(k): v for k, v in rt.resize_answers.items()},
-            # the return rule's r (cache/residency.py; 0 unless that rule has run)
-            "return_rate": rt.cache.residency.return_rate,
+            # the return rule's r (cache/residency.py); None without the rule
+            "return_rate": rt.cache.residency.return_rate
+            if rt.policy is not None and rt.policy.return_rule else None,
         }
     out["backend"] = rt.backend
     out["miss_policy"] = rt.policy.name if rt.policy else None
