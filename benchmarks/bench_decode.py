@@ -468,7 +468,7 @@ def main(argv=None):
                          "--freetoken-fill-reused or --freetoken-return-rule) at its starting "
                          "size and measure the ratios again, as the system LABEL; "
                          "repeatable. That server must start with qstar or cpu")
-    ap.add_argument("--out-dir", default=tempfile.mkdtemp(prefix="ft-bench-"))
+    ap.add_argument("--out-dir", default=None, help="default: a new ft-bench-* temporary dir")
     ap.add_argument("--report", nargs="+", default=None, metavar="JSON",
                     help="print the tables (and the roofline table) of these bench_decode.json "
                          "files and exit; --system is then not needed")
@@ -488,6 +488,7 @@ def main(argv=None):
         ap.error("--then needs a FreeToken system (--enable-freetoken)")
     if a.max_request_s is not None and not (math.isfinite(a.max_request_s) and a.max_request_s > 0):
         raise SystemExit(f"--max-request-s must be a positive number of seconds, not {a.max_request_s}")
+    a.out_dir = a.out_dir or tempfile.mkdtemp(prefix="ft-bench-")
     os.makedirs(a.out_dir, exist_ok=True)
     model = write_shape(a.shape, a.out_dir)
     sampler = GpuMemorySampler()
