@@ -171,7 +171,7 @@ def measure_decode(url: str, input_len: int, new_tokens: int, repeats: int,
 
 # --then's flags and the POST /freetoken/cache keys they become
 THEN_FLAGS = {"--freetoken-admission": "admission", "--freetoken-fill-reused": "fill_reused",
-              "--freetoken-return-rule": "return_rule"}
+              "--freetoken-return-rule": "return_rule", "--freetoken-late-fill": "late_fill"}
 
 
 def parse_then(spec: str):
@@ -231,6 +231,8 @@ def ft_summary(s: dict) -> dict:
         "fill_reused": s.get("fill_reused"),
         "return_rule": s.get("return_rule"),
         "return_rate": (s.get("cache") or {}).get("return_rate"),
+        "late_fill": s.get("late_fill"),
+        "late_fills": (s.get("cache") or {}).get("late_fills"),
         "bandwidth": s.get("bandwidth"),
         "load": s["load"],
     }

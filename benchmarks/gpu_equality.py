@@ -170,7 +170,12 @@ def main():
               "anchors_off": {"freetoken_anchors": "off"},
               # half of each streamed layer's non-resident experts on the C executor (its
               # fp32 arithmetic: reported like qstar's, not required to be identical)
-              "prefill_cpu": {"freetoken_prefill_cpu": "0.5"}}
+              "prefill_cpu": {"freetoken_prefill_cpu": "0.5"},
+              # q* with the late fill (a lone miss on the CPU, filled after its call on a side
+              # stream joined by the last MoE layer): reported like qstar's; a slot read
+              # before its late fill landed would show as garbage tokens from the first miss.
+              # Give --bandwidth with B_P/B_H under 1/2, e.g. 30,100, or no call fills late.
+              "late_fill": {"freetoken_miss_policy": "qstar", "freetoken_late_fill": "on"}}
     for name in [c for c in a.prefill_checks.split(",") if c]:
         if name not in checks:
             raise SystemExit(f"--prefill-checks: unknown {name!r} (choose from {', '.join(checks)})")
@@ -187,6 +192,7 @@ def main():
             del ft_kwargs["freetoken_cache_ratio"]
         if "freetoken_backend" in more:  # no cache, no miss policy
             del ft_kwargs["freetoken_cache_ratio"], ft_kwargs["freetoken_miss_policy"]
+        policy = ft_kwargs.get("freetoken_miss_policy", policy)
         if a.bandwidth and policy == "qstar":
             ft_kwargs["freetoken_bandwidth"] = a.bandwidth
         ft = run(path, a.new_tokens, ft_kwargs)

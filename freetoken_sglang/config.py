@@ -210,6 +210,17 @@ class FreeTokenConfig:
             "otherwise every miss is filled. off (default): Eq. 4 and the lone-miss rule.",
         ),
     )
+    late_fill: str = field(
+        default="off",
+        metadata=dict(
+            type=_choice("off", "on"),
+            help="With --freetoken-miss-policy qstar: on runs the misses of a layer call that "
+            "q* fills none of (with B_P/B_H near 1/3: a lone miss) on the CPU and fills them "
+            "after the call, beside the GPU's work on the next layers, so the call does not "
+            "wait for the fill and the expert is resident for its next use; q* then drops "
+            "the paper's at-least-one fill. off (default): Eq. 4 as in the paper.",
+        ),
+    )
     cpu_branch: str = field(
         default="doorbell",
         metadata=dict(
@@ -535,6 +546,7 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
         ineffective += ["admission"] if cfg.admission != "off" else []
         ineffective += ["fill_reused"] if "fill_reused" in given else []
         ineffective += ["return_rule"] if "return_rule" in given else []
+        ineffective += ["late_fill"] if "late_fill" in given else []
         ineffective += ["cpu_branch"] if "cpu_branch" in given else []
         ineffective += ["prefill_cpu"] if "prefill_cpu" in given else []
         for name in ineffective:
@@ -566,6 +578,11 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
                 problems.append(f"{cli_name(name)} is used only by --freetoken-miss-policy qstar")
             elif getattr(cfg, name) == "on" and cfg.admission != "off":
                 problems.append(f"{cli_name(name)} on {why}: give one of them")
+        if "late_fill" in given and cfg.miss_policy != "qstar":
+            problems.append("--freetoken-late-fill is used only by --freetoken-miss-policy qstar")
+        elif cfg.late_fill == "on" and cfg.return_rule == "on":
+            problems.append("--freetoken-late-fill on removes the later fills "
+                            "--freetoken-return-rule on weighs: give one of them")
         for name in ("cpu_threads", "cpu_isa"):
             if name in given and cfg.miss_policy == "fill" and cfg.prefill_cpu == "off":
                 problems.append(

@@ -21,6 +21,7 @@ KEY_POLICY = "freetoken_miss_policy"
 KEY_ADMISSION = "freetoken_admission"
 KEY_FILL_REUSED = "freetoken_fill_reused"
 KEY_RETURN_RULE = "freetoken_return_rule"
+KEY_LATE_FILL = "freetoken_late_fill"
 
 # The policy keys of a body, their values, and the server_args key each travels as.
 POLICY_KEYS = {
@@ -28,15 +29,17 @@ POLICY_KEYS = {
     "admission": (("off", "reuse"), KEY_ADMISSION),
     "fill_reused": (("off", "on"), KEY_FILL_REUSED),
     "return_rule": (("off", "on"), KEY_RETURN_RULE),
+    "late_fill": (("off", "on"), KEY_LATE_FILL),
 }
 BODIES = ('{"gb": G} or {"slots": N}, and/or {"miss_policy": "fill"|"qstar"|"cpu"} '
           'with "admission": "off"|"reuse" or "fill_reused": "off"|"on", and/or '
-          '"return_rule": "off"|"on"')
+          '"return_rule": "off"|"on", "late_fill": "off"|"on"')
 
 
 def parse_body(body) -> dict:
     """``{"slots": N}`` or ``{"gb": G}`` of a request body, and/or a miss policy
-    (``"miss_policy"``, ``"admission"``, ``"fill_reused"``, ``"return_rule"``, the values of the
+    (``"miss_policy"``, ``"admission"``, ``"fill_reused"``, ``"return_rule"``, ``"late_fill"``,
+    the values of the
     ``--freetoken-*`` flags of those names), validated. A body with a policy and no size
     keeps the cache's size.
 
@@ -151,12 +154,13 @@ async def request_resize(tokenizer_manager, **request) -> dict:
 def resize_cache(engine, slots: Optional[int] = None, gb: Optional[float] = None,
                  miss_policy: Optional[str] = None, admission: Optional[str] = None,
                  fill_reused: Optional[str] = None,
-                 return_rule: Optional[str] = None) -> dict:
+                 return_rule: Optional[str] = None,
+                 late_fill: Optional[str] = None) -> dict:
     """Resize the GPU expert cache of an ``sglang.Engine(..., enable_freetoken=True)``, or
     change its miss policy, as ``POST /freetoken/cache`` does: at most one of ``slots`` and
     ``gb`` (GiB); ``miss_policy`` (``fill``, ``qstar``, ``cpu``) with ``admission``
-    (``off``, ``reuse``) or ``fill_reused`` (``off``, ``on``), and ``return_rule`` (``off``,
-    ``on``), as the flags of those names.
+    (``off``, ``reuse``) or ``fill_reused`` (``off``, ``on``), and ``return_rule`` or
+    ``late_fill`` (``off``, ``on``), as the flags of those names.
 
     Returns:
         The ``ResizeReport`` fields (old and new slots and bytes, experts kept and dropped,
@@ -167,7 +171,7 @@ def resize_cache(engine, slots: Optional[int] = None, gb: Optional[float] = None
     """
     given = (("slots", slots), ("gb", gb), ("miss_policy", miss_policy),
              ("admission", admission), ("fill_reused", fill_reused),
-             ("return_rule", return_rule))
+             ("return_rule", return_rule), ("late_fill", late_fill))
     request = parse_body({k: v for k, v in given if v is not None})
     answer = engine.loop.run_until_complete(
         request_resize(engine.tokenizer_manager, **request))

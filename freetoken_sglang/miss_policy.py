@@ -49,6 +49,20 @@ lone-miss rule. Every term is measured (the fixed costs too: it needs them); r s
 at every resize or policy change. It combines with the re-miss rule, not with the
 admission rule (whose first misses run on the CPU by design, and return when it works).
 
+The late fill (``--freetoken-late-fill on``, beyond the paper): Eq. 4 rounds a lone miss's
+q* to zero (``m B_P / B_H < 1/2``), and the paper then fills it anyway (at least one fill per
+call), so the call waits a whole fill, S / B_P, where the CPU would have taken about S / B_H;
+running it on the CPU instead leaves it out of the cache, and it misses again when its routing
+returns (Session 28: the bs1 loss). With the late fill, a call whose split fills none of its
+misses runs them all on the CPU and fills them *after* the call: the copies go on a side
+stream beside the GPU's work on the next layers, no compute of the step waits for them, and the
+step's last MoE layer joins them. The call pays the CPU branch, the cache still learns the
+expert. Only calls with no fill of their own fill late (with B_P / B_H near 1/3: one miss), so
+the late copies of a step add at most one expert per MoE layer to the link, never more than
+``fill`` would have moved in those calls. q* drops the paper's at-least-one fill (its reason,
+that the cache learns, is met by the late fill). Combines with the admission and re-miss
+rules, not with the return rule (which weighs the later fills the late fill removes).
+
 Layer calls over more than ``SPLIT_MAX_TOKENS`` rows that reach the LRU (prefill chunks that
 do not stream, ``execute/choice.py``) fill every miss in all
 three policies; the decision is made from shapes alone, so captured graphs keep it.
@@ -56,6 +70,7 @@ three policies; the decision is made from shapes alone, so captured graphs keep 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -83,11 +98,13 @@ class MissPolicy:
         admission: the admission rule (``qstar`` only).
         fill_reused: the re-miss rule (``qstar`` only).
         return_rule: the return rule (``qstar`` only; needs ``expert_bytes``).
+        late_fill: the late fill (``qstar`` only; not with the return rule).
 
     Raises:
         ValueError: unknown name, ``qstar`` without positive bandwidths, ``fixed_us`` or the
             return rule without ``expert_bytes``, the return rule without ``fixed_us``, a rule
-            without ``qstar``, or the admission rule with the re-miss or the return rule.
+            without ``qstar``, the admission rule with the re-miss or the return rule, or the
+            late fill with the return rule.
     """
 
     name: str
@@ -97,6 +114,7 @@ class MissPolicy:
     admission: bool = False
     fill_reused: bool = False
     return_rule: bool = False
+    late_fill: bool = False
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -110,16 +128,19 @@ class MissPolicy:
                 raise ValueError("the return rule needs the branches' fixed costs: give "
                                  "--freetoken-bandwidth B_P,B_H,F_P,F_H or let FreeToken "
                                  "measure them (python -m freetoken_sglang.profile)")
-        elif self.admission or self.fill_reused or self.return_rule:
-            rule = ("admission" if self.admission else "re-miss" if self.fill_reused
-                    else "return")
-            raise ValueError(f"the {rule} rule needs the qstar miss policy")
+        elif self.admission or self.fill_reused or self.return_rule or self.late_fill:
+            rule = ("admission rule" if self.admission else "re-miss rule" if self.fill_reused
+                    else "return rule" if self.return_rule else "late fill")
+            raise ValueError(f"the {rule} needs the qstar miss policy")
         if self.admission and self.fill_reused:
             raise ValueError("the admission and re-miss rules together leave q* nothing to "
                              "split: give one of them")
         if self.admission and self.return_rule:
             raise ValueError("the return rule would fill the misses the admission rule sends "
                              "to the CPU on purpose: give one of them")
+        if self.late_fill and self.return_rule:
+            raise ValueError("the return rule weighs later fills that the late fill removes: "
+                             "give one of them")
 
     @property
     def decode_split(self) -> MissSplit:
@@ -129,19 +150,26 @@ class MissPolicy:
         if self.name == "cpu":
             return MissSplit(0.0, 0)
         b_p, b_h = self.bandwidth
+        min_fill = 0 if self.late_fill else 1
         if self.fixed_us is None:
-            return MissSplit(b_p / b_h, 1, admit_reuse=self.admission,
-                             fill_reused=self.fill_reused)
+            return MissSplit(b_p / b_h, min_fill, admit_reuse=self.admission,
+                             fill_reused=self.fill_reused, late_fill=self.late_fill)
         f_p, f_h = self.fixed_us
         fill_us = self.expert_bytes / (b_p * 1e3)  # bytes / (GB/s) in us
         # Beside a saturated link the CPU reads at B_H - B_P (Eq. 2); none left: always fill.
         cpu_us = self.expert_bytes / ((b_h - b_p) * 1e3) if b_h > b_p else UNREACHABLE_US
-        return MissSplit(b_p / b_h, 1, fill_us, cpu_us, f_p, f_h, self.admission,
-                         self.fill_reused, self.return_rule)
+        return MissSplit(b_p / b_h, min_fill, fill_us, cpu_us, f_p, f_h, self.admission,
+                         self.fill_reused, self.return_rule, self.late_fill)
 
-    def split_for(self, num_tokens: int) -> MissSplit:
-        """The split of a layer call over ``num_tokens`` rows (prefill-sized calls fill)."""
-        return self.decode_split if num_tokens <= SPLIT_MAX_TOKENS else FILL_ALL
+    def split_for(self, num_tokens: int, decode: bool = True) -> MissSplit:
+        """The split of a layer call over ``num_tokens`` rows (prefill-sized calls fill); in
+        a forward that is not a decode step (``decode`` False: short prefills, whose graphs
+        SGLang may break into pieces) without the late fill."""
+        if num_tokens > SPLIT_MAX_TOKENS:
+            return FILL_ALL
+        if self.late_fill and not decode:
+            return dataclasses.replace(self, late_fill=False).decode_split
+        return self.decode_split
 
     def cpu_count(self, num_misses: int) -> int:
         """How many of a decode call's ``num_misses`` misses run on the CPU (0: every miss is
@@ -158,9 +186,10 @@ class MissPolicy:
     def label(self) -> str:
         """The policy and its rules in the flags' words: ``fill``, ``qstar``, ``cpu``,
         ``qstar+admission``, ``qstar+fill_reused``, each of the qstar ones optionally
-        followed by ``+return_rule``."""
+        followed by ``+return_rule`` or ``+late_fill``."""
         rule = "+admission" if self.admission else "+fill_reused" if self.fill_reused else ""
-        return self.name + rule + ("+return_rule" if self.return_rule else "")
+        return (self.name + rule + ("+return_rule" if self.return_rule else "")
+                + ("+late_fill" if self.late_fill else ""))
 
     def describe(self) -> str:
         if self.name != "qstar":
@@ -169,6 +198,7 @@ class MissPolicy:
         text = ("qstar with the admission rule (reuse) " if self.admission else
                 "qstar with the re-miss rule " if self.fill_reused else "qstar ")
         text += "and the return rule " if self.return_rule else ""
+        text += "and the late fill " if self.late_fill else ""
         text += f"(B_P {b_p:.1f} GB/s, B_H {b_h:.1f} GB/s, q*/m = B_P/B_H = {b_p / b_h:.3f}"
         if self.fixed_us is None:
             return text + "; fixed costs unknown: no lone-miss rule)"

@@ -170,6 +170,9 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         if rt.recorder is not None:
             rt.recorder.record_layer(self.ordinal, topk_output.topk_ids)
         out = rt.executor_for(call.rows).run(call)
+        if self.ordinal == rt.pool.num_layers - 1 and rt.cache is not None \
+                and rt.cache.late is not None:
+            rt.cache.late.join()  # the forward's late fills end inside it (and its graph)
         return StandardCombineInput(hidden_states=out)
 
 

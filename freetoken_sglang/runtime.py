@@ -440,6 +440,7 @@ class FreeTokenRuntime:
                 admission=self.config.admission == "reuse",
                 fill_reused=self.config.fill_reused == "on",
                 return_rule=self.config.return_rule == "on",
+                late_fill=self.config.late_fill == "on",
             )
         else:
             self.policy = MissPolicy("cpu")
@@ -605,8 +606,10 @@ class FreeTokenRuntime:
         return num_tokens <= SPLIT_MAX_TOKENS
 
     def split_for(self, num_tokens: int) -> MissSplit:
-        """How a decode-executor layer call over ``num_tokens`` rows serves its misses."""
-        return self.policy.split_for(num_tokens)
+        """How a decode-executor layer call over ``num_tokens`` rows serves its misses (the
+        late fill only in decode forwards, whose graphs are whole: its side stream joins at
+        the last MoE layer)."""
+        return self.policy.split_for(num_tokens, decode=self.phase == "decode")
 
     # ---- serving ------------------------------------------------------------------------
     def set_num_valid(self, num_tokens: int) -> None:
@@ -643,14 +646,15 @@ class FreeTokenRuntime:
                      reason: str = "request", miss_policy: Optional[str] = None,
                      admission: Optional[str] = None,
                      fill_reused: Optional[str] = None,
-                     return_rule: Optional[str] = None) -> "ResizeReport":
+                     return_rule: Optional[str] = None,
+                     late_fill: Optional[str] = None) -> "ResizeReport":
         """Grow or shrink the GPU expert cache to ``slots`` slots (or ``gb`` GiB, rounded down
         to whole slots), at a scheduler safe point: no forward may be in flight. Keeps the
         most recently used experts that fit, frees the old slot banks before allocating the
         new ones (GPU memory goes back to the device), re-captures SGLang's CUDA graphs and
         keeps the counters. Paper §2.3, §3.3. With ``miss_policy`` (``fill``, ``qstar``,
-        ``cpu``; ``admission`` ``off``/``reuse``, ``fill_reused`` and ``return_rule``
-        ``off``/``on``, as the
+        ``cpu``; ``admission`` ``off``/``reuse``, ``fill_reused``, ``return_rule`` and
+        ``late_fill`` ``off``/``on``, as the
         flags), the decode miss policy changes at the same point (no size: the same size);
         a rule given alone changes the current q*'s.
 
@@ -663,7 +667,8 @@ class FreeTokenRuntime:
         from freetoken_sglang.cache.resize import ResizeReport, check_invariants, kept_experts
 
         t0 = time.perf_counter()
-        policy_asked = (miss_policy, admission, fill_reused, return_rule) != (None,) * 4
+        policy_asked = (miss_policy, admission, fill_reused, return_rule,
+                        late_fill) != (None,) * 5
         if self.cache is None or self.backend == "cpu" or not self.cache.num_slots:
             raise ValueError("--freetoken-backend cpu runs every routed expert on the CPU: it "
                              "has no GPU expert cache to resize" +
@@ -699,8 +704,8 @@ class FreeTokenRuntime:
                     f"{reserve / GIB:.2f} GiB SGLang's runtime keeps; ask for fewer slots"
                 )
         # after the size checks: a q* change may measure B_P and B_H (seconds) first
-        new_policy = (self._policy_for(miss_policy, admission, fill_reused, return_rule)
-                      if policy_asked else None)
+        new_policy = (self._policy_for(miss_policy, admission, fill_reused, return_rule,
+                                       late_fill) if policy_asked else None)
         layout = self._plan_layout(new_slots)
         old_layout, old_slots = old.layout, old.num_slots
         # most recently used first
@@ -777,7 +782,8 @@ class FreeTokenRuntime:
 
     def _policy_for(self, miss_policy: Optional[str], admission: Optional[str],
                     fill_reused: Optional[str],
-                    return_rule: Optional[str] = None) -> MissPolicy:
+                    return_rule: Optional[str] = None,
+                    late_fill: Optional[str] = None) -> MissPolicy:
         """The miss policy a resize asks for (``resize_cache``): the rules default to off
         with a new ``miss_policy``, to the current ones without. A change to ``qstar`` on a
         server without B_P and B_H measures them now (``bandwidth.resolve``: the profile
@@ -794,13 +800,15 @@ class FreeTokenRuntime:
         adm = admission == "reuse" if admission is not None else keep and cur.admission
         reused = fill_reused == "on" if fill_reused is not None else keep and cur.fill_reused
         ret = return_rule == "on" if return_rule is not None else keep and cur.return_rule
+        late = late_fill == "on" if late_fill is not None else keep and cur.late_fill
         if name != "fill" and self.cpu_branch is None:
             raise ValueError(
                 f"the {name} miss policy runs misses on the CPU, and this server started "
                 "without the CPU branch (--freetoken-miss-policy fill): start it with "
                 "--freetoken-miss-policy qstar or cpu to change policies while serving")
         if name != "qstar":
-            return MissPolicy(name, admission=adm, fill_reused=reused, return_rule=ret)
+            return MissPolicy(name, admission=adm, fill_reused=reused, return_rule=ret,
+                              late_fill=late)
         try:
             bw = self._resolve_bandwidth()
         except Exception as e:  # noqa: BLE001 - the server keeps serving its old policy
@@ -809,7 +817,7 @@ class FreeTokenRuntime:
                 "server with --freetoken-bandwidth B_P,B_H (python -m freetoken_sglang.profile "
                 "measures them)") from e
         return MissPolicy("qstar", (bw.b_p, bw.b_h), bw.fixed_us, self.pool.expert_bytes,
-                          admission=adm, fill_reused=reused, return_rule=ret)
+                          admission=adm, fill_reused=reused, return_rule=ret, late_fill=late)
 
     def _set_policy(self, policy: MissPolicy) -> None:
         """Serve decode misses by ``policy`` from the next captured or eager forward (the
@@ -819,6 +827,7 @@ class FreeTokenRuntime:
             from freetoken_sglang.kernels.residency import q_table
 
             q_table(policy.decode_split, self.num_experts, self.device)
+            q_table(policy.split_for(1, decode=False), self.num_experts, self.device)
 
     def _captured_graphs(self) -> tuple:
         """The phases whose CUDA graphs SGLang captured (``decode``, ``prefill``): runners

@@ -72,12 +72,15 @@ def _decide_kernel(
     cpu_us,
     fill_fixed_us,
     fixed_diff_us,  # fill_fixed_us - cpu_fixed_us
+    late_count_ptr,  # int32 [1] out (the late fill)
+    late_total_ptr,  # int64 [1] (the late fill)
     E_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
     SLOT_BLOCK: tl.constexpr,
     ADMIT: tl.constexpr,  # the admission rule (MissSplit.admit_reuse)
     REFILL: tl.constexpr,  # the re-miss rule (MissSplit.fill_reused)
     RETURN: tl.constexpr,  # the return rule (MissSplit.return_rule)
+    LATE: tl.constexpr,  # the late fill (MissSplit.late_fill)
 ):
     e = tl.arange(0, E_PAD)
     nv = tl.load(num_valid_ptr)
@@ -166,10 +169,16 @@ def _decide_kernel(
         tl.store(returns_ptr, r_cnt)
         tl.store(returns_ptr + 1, n_cnt + m_f)
         tl.store(missed_ptr + base + e, miss.to(tl.int8), mask=(used > 0) & em)
-    q = tl.sum(fillm.to(tl.int32), axis=0)
-    rank = tl.cumsum(fillm.to(tl.int32), axis=0) - 1
     cpu = miss & (fillm == 0)
     n_cpu = tl.sum(cpu.to(tl.int32), axis=0)
+    if LATE:
+        # A call that fills none of its misses (Eq. 4 and every rule) fills them all late:
+        # they keep running on the CPU, and get slots now (row 0 of the table: fill_count).
+        q_base = tl.load(q_table_ptr + n_miss)
+        late_call = (tl.sum(fillm.to(tl.int32), axis=0) == 0) & (q_base == 0)
+        fillm = fillm | (miss & late_call)
+    q = tl.sum(fillm.to(tl.int32), axis=0)
+    rank = tl.cumsum(fillm.to(tl.int32), axis=0) - 1
     n_evict = n_miss * 0
     tl.debug_barrier()
     tl.store(last_use_ptr + base + e, now + e * 0, mask=(used > 0) & em)
@@ -193,6 +202,11 @@ def _decide_kernel(
         tl.store(src_ptr + i, flat)
         tl.store(dst_ptr + i, v.to(tl.int32))
         tl.debug_barrier()
+    if LATE:
+        n_late = tl.where(late_call, q, 0)
+        tl.store(late_count_ptr, n_late)
+        tl.store(late_total_ptr, tl.load(late_total_ptr) + n_late.to(tl.int64))
+        q = q - n_late
     tl.store(count_ptr, q)
     # Routing for the GPU compute (padded rows take row 0's experts, CPU entries -1) and
     # the CPU work items, compacted in row-major order.
@@ -293,6 +307,9 @@ def decide_triton(
         weights=torch.empty(t * k, dtype=torch.float32, device=device),
         count=torch.empty(1, **i32),
     )
+    late_on = bool(split.late_fill) and state.num_slots > 0
+    late = (FillPlan(src=plan.src, dst=plan.dst, count=torch.zeros(1, **i32))
+            if split.late_fill else None)
     _decide_kernel[(1,)](
         ids,
         weights,
@@ -326,16 +343,19 @@ def decide_triton(
         float(split.cpu_us),
         float(split.fill_fixed_us),
         float(split.fill_fixed_us - split.cpu_fixed_us),
+        late.count if late is not None else plan.count,
+        state.late,
         E_PAD=triton.next_power_of_2(E),
         BLOCK=DECIDE_BLOCK,
         SLOT_BLOCK=_SLOT_BLOCK,
         ADMIT=bool(split.admit_reuse) and state.num_slots > 0,
         REFILL=bool(split.fill_reused) and state.num_slots > 0,
         RETURN=bool(split.return_rule) and state.num_slots > 0,
+        LATE=late_on,
         num_warps=DECIDE_WARPS,
         enable_fp_fusion=False,  # the return rule's fp32 sums round as the reference's
     )
-    return LayerDecision(plan, ids_out, work)
+    return LayerDecision(plan, ids_out, work, late)
 
 
 def remap_expert_ids_(expert_ids: torch.Tensor, layer_slots: torch.Tensor,

@@ -1,8 +1,8 @@
 """End to end on the CPU-run SGLang: a server with ``--enable-freetoken`` and a cache of 25%
 of the expert pool gives the same greedy tokens as stock SGLang (fp32) for every supported
 family and every miss policy (fill, qstar, cpu, and qstar with the admission or the re-miss
-rule), through /generate, the OpenAI completion and chat endpoints and the Anthropic
-messages endpoint, including 8 concurrent requests of different lengths (in one batch
+rule or the late fill), through /generate, the OpenAI completion and chat endpoints and the
+Anthropic messages endpoint, including 8 concurrent requests of different lengths (in one batch
 request); prefill chunks of 64 tokens, so that the longer prompts stream their layers
 (full-layer prefill buffers) over several chunks while decode goes through the LRU; mixed
 chunked prefill too; the pure-CPU backend does too; and the tokens equal
@@ -163,6 +163,10 @@ POLICIES = {
     # q* with the re-miss rule: misses used since then are filled, counted in q*
     "qstar-remiss": ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40",
                      "--freetoken-fill-reused", "on"],
+    # q* with the late fill: B_P/B_H = 0.1 rounds up to 4 misses to no fill; those run on
+    # the CPU and are filled after their call
+    "qstar-late": ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "5,50",
+                   "--freetoken-late-fill", "on"],
     # streamed prefill with half of each layer's non-resident experts on the C executor
     "fill-prefillcpu": ["--freetoken-miss-policy", "fill", "--freetoken-prefill-cpu", "0.5"],
     # ... with the balance rule: B_P = B_H / 2 from the flag, g measured at start
@@ -175,6 +179,7 @@ POLICIES = {
 # is the same code for all.
 ADMIT_FAMILIES = ("qwen3_moe", "deepseek_v3")
 REMISS_FAMILIES = ("qwen3_moe",)
+LATE_FAMILIES = ("qwen3_moe",)
 # The prefill CPU share on a family with plain softmax top-k and on one with grouped sigmoid
 # top-k, a shared expert and a routed scaling factor.
 PREFILL_CPU_FAMILIES = ("qwen3_moe", "deepseek_v3")
@@ -251,6 +256,7 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
     for variant, flags in POLICIES.items():
         if (variant == "qstar-admit" and family not in ADMIT_FAMILIES
                 or variant == "qstar-remiss" and family not in REMISS_FAMILIES
+                or variant == "qstar-late" and family not in LATE_FAMILIES
                 or variant == "fill-prefillcpu" and family not in PREFILL_CPU_FAMILIES
                 or variant == "fill-prefillauto" and family not in PREFILL_AUTO_FAMILIES):
             continue  # (CI time) the rules are family-independent decision code
@@ -267,6 +273,8 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
         assert stats["miss_policy"] == policy
         assert stats["admission"] == ("reuse" if variant == "qstar-admit" else "off")
         assert stats["fill_reused"] == ("on" if variant == "qstar-remiss" else "off")
+        assert stats["late_fill"] == ("on" if variant == "qstar-late" else "off")
+        assert (stats["cache"]["late_fills"] > 0) == (variant == "qstar-late")
         assert stats["cache"]["slots"] == stats["pool"]["experts"] // 4
         assert stats["cache"]["layout"] == "stream"
         buffers = "reserved" if variant == "qstar" else "borrowed"
@@ -302,7 +310,7 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
             assert total["fills"] > 0 and total["cpu"] > 0
             assert stats["bandwidth"]["ratio"] == 0.5
             assert (stats["bandwidth"]["F_P_us"], stats["bandwidth"]["F_H_us"]) == (0, 0)
-        elif variant in ("qstar-admit", "qstar-remiss"):
+        elif variant in ("qstar-admit", "qstar-remiss", "qstar-late"):
             assert total["fills"] > 0 and total["cpu"] > 0
             assert stats["bandwidth"]["F_P_us"] is None  # the flag gave no fixed costs
         else:

@@ -47,8 +47,11 @@ def test_decide_on_cuda_matches_reference():
         both = MissSplit(0.6, 1, admit_reuse=True, fill_reused=True)
         # the return rule (fp32 arithmetic: the kernel must round as torch does)
         ret = MissSplit(0.4, 1, 145.51, 182.67, 33.1, 4.0, return_rule=True)
+        # the late fill (a call q* fills none of fills its misses after the call)
+        late = MissSplit(0.3, 0, 200.0, 100.0, 10.0, 50.0, late_fill=True)
+        late_admit = MissSplit(0.3, 0, admit_reuse=True, late_fill=True)
         split = (rng.choice([MissSplit(0.6, 1), MissSplit(0.7, 1), costed, admit, refill, both,
-                             ret, ret]) if T <= 16 else MissSplit(1.0, 0))
+                             ret, ret, late, late_admit]) if T <= 16 else MissSplit(1.0, 0))
         ids = torch.tensor([rng.sample(range(E), k) for _ in range(T)], dtype=torch.int32)
         w = torch.rand(T, k)
         nv = torch.tensor([rng.randint(1, T)], dtype=torch.int32)
@@ -62,7 +65,11 @@ def test_decide_on_cuda_matches_reference():
         c = int(da.cpu.count)
         assert db.cpu.experts[:c].tolist() == da.cpu.experts[:c].tolist()
         assert db.cpu.rows[:c].tolist() == da.cpu.rows[:c].tolist()
-    for name in ("residency", "owner", "key", "clock", "last_use", "missed", "returns"):
+        if split.late_fill:
+            assert int(db.late.count) == int(da.late.count)
+    assert a.late.item() > 0
+    for name in ("residency", "owner", "key", "clock", "last_use", "missed", "returns",
+                 "late"):
         assert torch.equal(getattr(a, name), getattr(b, name).cpu()), name
     assert torch.equal(ca, cb.cpu())
 
@@ -97,6 +104,42 @@ def test_uva_fill_from_pinned_pool():
         assert torch.equal(slots[n][0].cpu(), bank[2])
         assert torch.equal(slots[n][3].cpu(), bank[17])
         assert (slots[n][5] == 0).all()
+    pool.unpin()
+
+
+def test_late_fills_fork_and_join_inside_a_captured_graph():
+    """LateFills under CUDA graph capture: each launch forks a side stream, ``join`` brings it
+    back before the capture ends, and a replay copies the planned rows (the late fill)."""
+    from freetoken_sglang.cache.fills import Filler, LateFills
+    from freetoken_sglang.cache.residency import FillPlan
+    from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
+
+    with torch.device("cuda"):
+        pool = HostExpertPool([0, 1], 16, bank_specs_for_layer(256, 96, torch.bfloat16))
+    for bank in pool.banks.values():
+        bank.copy_(torch.randn(bank.shape).to(bank.dtype))
+    assert pool.pin()
+    slots = {n: torch.zeros(8, *s.shape, dtype=s.dtype, device="cuda")
+             for n, s in pool.specs.items()}
+    late = LateFills(Filler(pool.banks, pool.device_banks, slots))
+    i32 = dict(dtype=torch.int32, device="cuda")
+    plans = [FillPlan(torch.tensor([5, 9], **i32), torch.tensor([1, 6], **i32),
+                      torch.tensor([2], **i32)),
+             FillPlan(torch.tensor([30], **i32), torch.tensor([4], **i32),
+                      torch.tensor([1], **i32))]
+    x = torch.ones(4, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for p in plans:
+            late.launch(p)
+            x.mul_(2)  # the main stream's work goes on beside the copies
+        late.join()
+    g.replay()
+    torch.cuda.synchronize()
+    for n, bank in pool.banks.items():
+        for src, dst in ((5, 1), (9, 6), (30, 4)):
+            assert torch.equal(slots[n][dst].cpu(), bank[src])
+        assert (slots[n][0] == 0).all()
     pool.unpin()
 
 

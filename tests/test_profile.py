@@ -113,6 +113,18 @@ def test_miss_policies():
             MissPolicy("qstar", **{**args, **change})
     with pytest.raises(ValueError, match="return rule needs the qstar miss policy"):
         MissPolicy("fill", return_rule=True)
+    # the late fill: q* without the at-least-one fill, and decode forwards only
+    late = MissPolicy("qstar", (50.0, 150.0), (10.0, 5.0), 1_000_000, late_fill=True)
+    assert late.decode_split == MissSplit(1 / 3, 0, 20.0, 10.0, 10.0, 5.0, late_fill=True)
+    assert late.split_for(1, decode=False) == MissSplit(1 / 3, 1, 20.0, 10.0, 10.0, 5.0)
+    assert late.split_for(1) == late.decode_split and late.label == "qstar+late_fill"
+    assert late.cpu_count(1) == 1 and "and the late fill (" in late.describe()
+    assert MissPolicy("qstar", (50.0, 150.0), admission=True,
+                      late_fill=True).label == "qstar+admission+late_fill"
+    with pytest.raises(ValueError, match="late fill needs the qstar miss policy"):
+        MissPolicy("cpu", late_fill=True)
+    with pytest.raises(ValueError, match="removes: give one of them"):
+        MissPolicy("qstar", (50.0, 150.0), (10.0, 20.0), 1, return_rule=True, late_fill=True)
 
 
 def test_lone_miss_rule_from_measured_costs():

@@ -31,10 +31,17 @@ REFILL = MissSplit(0.25, 1, fill_reused=True)
 # The return rule (fill 200 us, CPU 100 us per expert, fixed 10 / 50 us): 4 misses with one
 # fill keep 3 on the CPU while the return rate r < 0.767; alone and with the re-miss rule.
 RETURN = MissSplit(0.25, 1, 200.0, 100.0, 10.0, 50.0, return_rule=True)
+# The late fill (q* without the at-least-one fill; a call q* fills none of fills them after
+# the call): alone, with the cost check (fixed 10 / 50 us: a lone miss stays on the CPU), with
+# admission and with the re-miss rule.
+LATE = MissSplit(0.25, 0, late_fill=True)
 SPLITS = [FILL_ALL, MissSplit(0.6, 1), MissSplit(0.25, 1), MissSplit(0.0, 0), COSTED, ADMIT,
           REFILL, MissSplit(0.25, 1, 200.0, 100.0, 10.0, 500.0, fill_reused=True),
           MissSplit(0.6, 1, admit_reuse=True, fill_reused=True), RETURN,
-          MissSplit(0.6, 1, 200.0, 100.0, 10.0, 50.0, fill_reused=True, return_rule=True)]
+          MissSplit(0.6, 1, 200.0, 100.0, 10.0, 50.0, fill_reused=True, return_rule=True),
+          LATE, MissSplit(0.25, 0, 200.0, 100.0, 10.0, 50.0, late_fill=True),
+          MissSplit(0.25, 0, fill_reused=True, late_fill=True),
+          MissSplit(0.25, 0, admit_reuse=True, late_fill=True)]
 
 
 class ReferenceLRU:
@@ -54,6 +61,7 @@ class ReferenceLRU:
         self.missed = [False] * (num_layers * num_experts)
         self.returns = np.zeros(2, dtype=np.float32)
         self.overruled = 0  # calls where the return rule filled the CPU experts
+        self.late = 0  # late fills (the late fill)
 
     def call(self, layer, ids, weights, num_valid, split, scale):
         used = sorted({int(e) for row in ids[:num_valid] for e in row})
@@ -102,9 +110,20 @@ class ReferenceLRU:
                 self.missed[f] = f in misses
         to_cpu = [f for f in misses if f not in to_fill]
         q = len(to_fill)
+        late = []
+        if split.late_fill and self.S and misses and not to_fill:
+            # Eq. 4 (and the cost check) over all m with no forced fill: none filled
+            q0 = min(m, max(split.min_fill, int(m * split.fill_ratio + 0.5)))
+            if split.cpu_us > 0 and m - q0 > 0 and (
+                split.cpu_fixed_us + (m - q0) * split.cpu_us
+                >= split.fill_fixed_us + m * split.fill_us
+            ):
+                q0 = m
+            late = sorted(misses) if q0 == 0 else []
+        self.late += len(late)
         order = sorted(range(self.S), key=lambda s: (self.stamp[s], s))
         fills, evictions = [], 0
-        for f, victim in zip(to_fill, order):
+        for f, victim in zip(to_fill + late, order):
             assert self.stamp[victim] < self.clock, "a slot of the current call was chosen"
             old = self.owner[victim]
             if old >= 0:
@@ -114,6 +133,8 @@ class ReferenceLRU:
             self.slot_of[f] = victim
             self.stamp[victim] = self.clock
             fills.append((f, victim))
+        self.late_fills = fills[q:]
+        fills = fills[:q]
         for f in flat:
             self.last_use[f] = self.clock
         for i, n in enumerate((len(used), len(hits), q, evictions, len(to_cpu))):
@@ -180,6 +201,12 @@ def test_decide_matches_reference_lru(seed):
             n = int(d.plan.count)
             assert list(zip(d.plan.src[:n].tolist(), d.plan.dst[:n].tolist())) == want_fills
             assert d.plan.src.numel() == max_unique_experts(T, k, E)
+            assert (d.late is not None) == split.late_fill
+            if d.late is not None:  # the late fills share the plan's rows: never both
+                nl = int(d.late.count)
+                assert nl == 0 or n == 0
+                assert list(zip(d.late.src[:nl].tolist(),
+                                d.late.dst[:nl].tolist())) == ref.late_fills
             c = int(d.cpu.count)
             got_items = list(
                 zip(d.cpu.rows[:c].tolist(), d.cpu.experts[:c].tolist(), d.cpu.weights[:c].tolist())
@@ -200,7 +227,11 @@ def test_decide_matches_reference_lru(seed):
     assert counters.tolist() == ref.counts
     reads, hits, fills, evictions, cpu = counters.sum(1).tolist()
     assert hits + fills + cpu == reads
-    assert evictions <= fills
+    assert evictions <= fills + ref.late
+    assert state.late.item() == ref.late
+    # late fills happened under the late fill only (beside the re-miss rule a sequence may
+    # fill every lone miss it has)
+    assert ref.late == 0 if not split.late_fill else ref.late > 0 or split.fill_reused
     if split is FILL_ALL:
         assert cpu == 0 and hits > 0
     if split.fill_ratio == 0:
@@ -341,6 +372,39 @@ def test_remiss_rule_counts_its_fills_in_q(use_kernel):
     fills = [src for src, _ in plans]
     assert fills == [[0, 1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11, 12, 13]]
     assert cpu == [[], [8, 9], [11, 12, 13], [14]]
+
+
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])
+def test_late_fill_runs_a_lone_miss_on_the_cpu_and_keeps_it(use_kernel):
+    # LATE: q*/m = 0.25 without the at-least-one fill. One layer of 8 experts, 3 slots.
+    # 1: expert 0 misses alone: q* = 0, so it runs on the CPU and is filled late (slot 0).
+    # 2: 0 hits; 1 misses alone: the CPU, and a late fill (slot 1).
+    # 3: 1 hits; 2, 3, 4 miss: q*(3) = 1 fill (2, slot 2) that the call waits for, 3 and 4 on
+    #    the CPU, nothing late (the call fills one).
+    # 4: 3 misses alone: the CPU and a late fill into the least recently used slot (0,
+    #    evicting expert 0).
+    from freetoken_sglang.cache.residency import decide_reference
+
+    run = decide_reference
+    if use_kernel:
+        from freetoken_sglang.kernels.residency import decide_triton as run
+    state = ResidencyState(8, 3, "cpu")
+    counters = torch.zeros(5, 1, dtype=torch.int64)
+    got = []
+    for ids in ([0], [0, 1], [1, 2, 3, 4], [3]):
+        d = run(state, counters, 0, 8, torch.tensor([ids], dtype=torch.int32),
+                torch.ones(1, len(ids)), torch.tensor([1], dtype=torch.int32), LATE)
+        n, nl, c = int(d.plan.count), int(d.late.count), int(d.cpu.count)
+        got.append((list(zip(d.plan.src[:n].tolist(), d.plan.dst[:n].tolist())),
+                    list(zip(d.late.src[:nl].tolist(), d.late.dst[:nl].tolist())),
+                    d.cpu.experts[:c].tolist()))
+        check_invariants(state, 8)
+    assert got == [([], [(0, 0)], [0]), ([], [(1, 1)], [1]), ([(2, 2)], [], [3, 4]),
+                   ([], [(3, 0)], [3])]
+    assert state.residency[:8].tolist() == [-1, 1, 2, 0, -1, -1, -1, -1]
+    # reads, hits, fills the calls waited for, evictions, CPU runs; 3 late fills
+    assert counters[:, 0].tolist() == [8, 2, 1, 1, 5]
+    assert state.late.item() == 3
 
 
 @pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])
@@ -501,9 +565,14 @@ def test_triton_kernel_matches_the_torch_reference(seed):
         for f in ("rows", "experts"):
             assert getattr(db.cpu, f)[:c].tolist() == getattr(da.cpu, f)[:c].tolist()
         assert torch.allclose(db.cpu.weights[:c], da.cpu.weights[:c])
-        for name in ("residency", "owner", "key", "clock", "last_use", "missed", "returns"):
+        if split.late_fill:
+            assert int(db.late.count) == int(da.late.count)
+        for name in ("residency", "owner", "key", "clock", "last_use", "missed", "returns",
+                     "late"):
             assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
     assert torch.equal(ca, cb)
     assert ca[3].sum() + ca[4].sum() > 0, "the sequence should evict or use the CPU"
+    if split.late_fill and not split.fill_reused:
+        assert a.late.item() > 0, "the sequence should fill late"
     if seed == "admit-small":
         assert ca[4].sum() > 0 and ca[3].sum() > 0, "admission should refuse some misses"

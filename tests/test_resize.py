@@ -205,7 +205,7 @@ def test_policy_bodies_travel_as_numbers():
     assert parse_body({"miss_policy": "cpu"}) == {"miss_policy": "cpu"}
     for body in ({"slots": 9, "miss_policy": "qstar", "admission": "reuse"},
                  {"gb": 1.5, "fill_reused": "on"}, {"miss_policy": "fill"},
-                 {"return_rule": "on", "fill_reused": "on"}):
+                 {"return_rule": "on", "fill_reused": "on"}, {"late_fill": "on"}):
         args = to_args(parse_body(body))
         assert all(type(v) in (int, float) for v in args.values())  # SetInternalStateReq
         assert from_args({KEY_ID: 1, **args}) == parse_body(body)
@@ -219,7 +219,7 @@ def test_policy_bodies_travel_as_numbers():
                                   {"gb": float("inf")}, {"gb": float("nan")},
                                   {"miss_policy": "lru"}, {"miss_policy": 1},
                                   {"admission": "on"}, {"fill_reused": True},
-                                  {"return_rule": "yes"},
+                                  {"return_rule": "yes"}, {"late_fill": 1},
                                   {"slots": 3, "gb": 1, "miss_policy": "fill"}])
 def test_bad_resize_bodies_are_refused(body):
     with pytest.raises(ValueError):
@@ -341,7 +341,8 @@ def test_resize_under_load_matches_stock_sglang(tiny_checkpoint, tmp_path):
     assert not_json.json()["error"].endswith('send {"gb": G} or {"slots": N}, and/or '
                                              '{"miss_policy": "fill"|"qstar"|"cpu"} with '
                                              '"admission": "off"|"reuse" or "fill_reused": '
-                                             '"off"|"on", and/or "return_rule": "off"|"on"')
+                                             '"off"|"on", and/or "return_rule": "off"|"on", '
+                                             '"late_fill": "off"|"on"')
     assert final["cache"]["slots"] == 24 and final["cache"]["resizes"] == len(SIZES)
     assert log.count("GPU expert cache resized (request)") == len(SIZES)
 
@@ -363,13 +364,14 @@ def _generate(url):
 def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     """A server started with qstar serves cpu, qstar with the admission rule and fill after
     ``POST /freetoken/cache`` changes them, each with the tokens qstar gave (fp32: every
-    policy is stock's, tests/test_e2e_families.py) and the counters each policy leaves."""
+    policy is stock's, tests/test_e2e_families.py) and the counters each policy leaves.
+    B_P / B_H = 0.1: q* rounds up to 4 misses to no fill, which the late fill fills late."""
     from sglang_cpu import start_server
 
     path = tiny_checkpoint("qwen3_moe", **SHAPE)
     ft = start_server(path, ["--enable-freetoken", "--freetoken-cache-slots", "16",
                              "--freetoken-miss-policy", "qstar", "--freetoken-bandwidth",
-                             "20,40,0,0"], log_path=str(tmp_path / "ft.log"))
+                             "5,50,0,0"], log_path=str(tmp_path / "ft.log"))
     post = lambda body: requests.post(ft.url + "/freetoken/cache", json=body, timeout=300)
     try:
         want, s0 = _generate(ft.url)
@@ -381,6 +383,9 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
         with_admit = post({"return_rule": "on"})  # the admission rule kept: refused
         to_return = post({"admission": "off", "return_rule": "on"})
         got_return, s2r = _generate(ft.url)
+        with_return = post({"late_fill": "on"})  # the return rule kept: refused
+        to_late = post({"return_rule": "off", "late_fill": "on"})
+        got_late, s2l = _generate(ft.url)
         to_fill = post({"miss_policy": "fill", "slots": 24})
         got_fill, s3 = _generate(ft.url)
         log = ft.log()
@@ -403,14 +408,21 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     assert to_return.json()["miss_policy"] == "qstar+return_rule"
     assert got_return == want and (s2r["admission"], s2r["return_rule"]) == ("off", "on")
     assert d(s2, s2r, "reads") > 0 and 0 <= s2r["cache"]["return_rate"] <= 1
-    s2 = s2r
+    assert with_return.status_code == 400 and "give one of them" in with_return.json()["error"]
+    assert to_late.status_code == 200 and to_late.json()["miss_policy"] == "qstar+late_fill"
+    assert got_late == want and (s2l["return_rule"], s2l["late_fill"]) == ("off", "on")
+    # lone misses ran on the CPU and were filled after their calls
+    assert d(s2r, s2l, "cpu") > 0 and s2l["cache"]["late_fills"] > 0
+    assert s2r["cache"]["late_fills"] == 0
+    s2 = s2l
     assert to_fill.status_code == 200 and to_fill.json()["new_slots"] == 24
     assert to_fill.json()["reason"] == "request" and s3["cache"]["configured_slots"] == 24
     assert got_fill == want and (s3["miss_policy"], s3["admission"]) == ("fill", "off")
     assert d(s2, s3, "cpu") == 0 and d(s2, s3, "fills") > 0
     assert "decode misses now cpu (was qstar): " in log
     assert "decode misses now qstar+return_rule (was qstar+admission): " in log
-    assert "decode misses now fill (was qstar+return_rule): " in log
+    assert "decode misses now qstar+late_fill (was qstar+return_rule): " in log
+    assert "decode misses now fill (was qstar+late_fill): " in log
 
 
 def test_a_failed_bandwidth_measurement_refuses_the_change():

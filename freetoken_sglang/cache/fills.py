@@ -78,6 +78,42 @@ class Filler:
             slots[: pool.shape[0]].copy_(pool, non_blocking=False)
 
 
+class LateFills:
+    """Fills that no compute of their layer call waits for (the late fill, ``miss_policy.py``):
+    on CUDA each goes on a side stream forked from the current one after its decision, and the
+    forward's last MoE layer call joins them (``join``), so a captured decode graph forks and
+    joins inside itself; the next forward sees every slot filled. Without CUDA the copy runs
+    at once.
+
+    Args:
+        filler: the cache's ``Filler``.
+    """
+
+    def __init__(self, filler: Filler):
+        self.filler = filler
+        self.stream = None
+        if filler.mode == "uva":
+            device = next(iter(filler.slot_banks.values())).device
+            self.stream = torch.cuda.Stream(device=device)
+        self._held = []  # plans in flight: kept alive until the join (no reuse of their memory)
+
+    def launch(self, plan: FillPlan) -> None:
+        """Copy ``plan``'s rows after the work queued so far, without making later work wait."""
+        if self.stream is None:
+            self.filler.run(plan)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            self.filler.run(plan)
+        self._held.append(plan)
+
+    def join(self) -> None:
+        """Make the current stream wait for every late fill launched so far."""
+        if self._held:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            self._held.clear()
+
+
 def row_runs(pairs) -> list:
     """``(src, dst, n)`` runs of ``pairs``, a host sequence of ``(src_row, dst_row)`` in
     ascending ``src_row``: consecutive pairs whose rows both advance by one share a run (one

@@ -19,6 +19,7 @@ The state, shared by all MoE layers:
                                 return rule (other calls leave it as it was)
     returns    fp32  [2]        (R, N): decayed counts of returns and of misses in calls under
                                 the return rule (its rate r = R / N; a resize starts them at 0)
+    late       int64 [1]        late fills planned since the last reset (``MissSplit.late_fill``)
 
 LRU order: the victims of a call's fills are the slots with the smallest keys, i.e. the
 least recently used, ties broken by the lowest slot. Experts used by the call are stamped
@@ -59,7 +60,13 @@ class MissSplit:
     the CPU only if the time they save now exceeds the fills they are expected to cost later
     (``keeps_cpu``), with ``r`` the measured rate at which missed experts are used again
     within the cache's LRU age (``ResidencyState.returns``); otherwise every miss is
-    filled."""
+    filled.
+
+    With ``late_fill`` (the late fill, ``miss_policy.py``) a call whose split fills none of
+    its misses (``q = 0`` after every rule, and ``fill_count(m) = 0``) runs them all on the
+    CPU and also plans their fills into LRU victims, which the executor carries out *after*
+    the call, beside the GPU's work (``LayerDecision.late``): the call does not wait for
+    them, and the experts are resident for their next use."""
 
     fill_ratio: float = 1.0
     min_fill: int = 0
@@ -70,6 +77,7 @@ class MissSplit:
     admit_reuse: bool = False
     fill_reused: bool = False
     return_rule: bool = False
+    late_fill: bool = False
 
 
 FILL_ALL = MissSplit(1.0, 0)
@@ -94,11 +102,16 @@ class LayerDecision:
     ``routed_ids`` (int [T, k]) are the local expert ids for the GPU compute over slots:
     padded rows carry row 0's ids, and entries whose expert runs on the CPU are -1 (they
     contribute nothing on the GPU); every other id is resident.
+
+    ``late`` (with ``MissSplit.late_fill``, else None): fills of CPU-run experts that no
+    compute of this call waits for; it shares ``plan``'s ``src``/``dst`` (a call has either
+    fills or late fills, never both) and has its own ``count``.
     """
 
     plan: "FillPlan"
     routed_ids: torch.Tensor
     cpu: CpuWork
+    late: "FillPlan | None" = None
 
 
 @dataclass
@@ -133,6 +146,7 @@ class ResidencyState:
         self.last_use = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self.missed = torch.zeros(num_rows, dtype=torch.int8, device=device)
         self.returns = torch.zeros(2, dtype=torch.float32, device=device)
+        self.late = torch.zeros(1, dtype=torch.int64, device=device)
 
     @property
     def return_rate(self) -> float:
@@ -156,6 +170,7 @@ class ResidencyState:
         self.last_use.zero_()
         self.missed.zero_()
         self.returns.zero_()
+        self.late.zero_()
 
     def make_all_resident(self) -> None:
         """Slot ``i`` holds flat expert ``i`` for every expert.
@@ -360,8 +375,15 @@ def decide_reference(
         fill = torch.where(keeps_cpu(fill.sum(), miss.sum(), rate, split), fill, miss)
         rn[1] += miss.sum().float()
         layer_missed.copy_(torch.where(used, miss.to(torch.int8), layer_missed))
-    rank = torch.cumsum(fill.int(), 0) - 1
+    if split.late_fill and S > 0:
+        # A call that fills none of its misses by Eq. 4 and every rule fills them late.
+        late_call = (fill.sum() == 0) & (fill_count(miss.sum().int(), split) == 0)
+        late = miss & late_call
+    else:
+        late = torch.zeros_like(miss)
     cpu = miss & ~fill
+    fill = fill | late  # a slot for each: the late ones are copied after the call
+    rank = torch.cumsum(fill.int(), 0) - 1
 
     # The K least recently used slots, oldest first (keys are unique).
     cand = torch.topk(state.key, min(K, S), largest=False, sorted=True).indices
@@ -391,10 +413,12 @@ def decide_reference(
     dst = torch.zeros(K + 1, dtype=torch.int32, device=device)
     src.index_copy_(0, pos, flat)
     dst.index_copy_(0, pos, victim)
-    count = fill.sum().int().reshape(1)
+    n_late = late.sum()
+    count = (fill.sum() - n_late).int().reshape(1)
+    state.late += n_late
 
     counters[:, ordinal] += torch.stack(
-        [used.sum(), hit.sum(), fill.sum(), evicted.sum(), cpu.sum()]
+        [used.sum(), hit.sum(), fill.sum() - n_late, evicted.sum(), cpu.sum()]
     ).long()
 
     # Routing for the GPU compute, and the CPU work items (row-major order).
@@ -415,4 +439,7 @@ def decide_reference(
     work.rows[:n] = (idx // k).int()
     work.experts[:n] = (topk_ids.reshape(-1)[idx] + base).int()
     work.weights[:n] = topk_weights.reshape(-1)[idx].float() * weight_scale
-    return LayerDecision(FillPlan(src=src[:K], dst=dst[:K], count=count), routed, work)
+    late_plan = (FillPlan(src=src[:K], dst=dst[:K], count=n_late.int().reshape(1))
+                 if split.late_fill else None)
+    return LayerDecision(FillPlan(src=src[:K], dst=dst[:K], count=count), routed, work,
+                         late_plan)

@@ -15,7 +15,7 @@ from typing import Dict, Optional
 import torch
 
 from freetoken_sglang.config import FreeTokenConfig
-from freetoken_sglang.cache.fills import Filler
+from freetoken_sglang.cache.fills import Filler, LateFills
 from freetoken_sglang.cache.layout import RESIDENT, SlotLayout
 from freetoken_sglang.errors import RefusedError
 from freetoken_sglang.experts.pool import GIB, HostExpertPool
@@ -128,6 +128,8 @@ class ExpertCache:
         self.residency = ResidencyState(pool.num_rows, layout.lru_slots, device)
         # No slot (the pure-CPU backend): nothing is ever filled.
         self.filler = Filler(pool.banks, pool.device_banks, self.slot_banks) if num_slots else None
+        # the late fill's copies (miss_policy.py), joined by the forward's last MoE layer call
+        self.late = LateFills(self.filler) if self.filler is not None else None
         self.all_resident = layout.kind == RESIDENT
         if self.all_resident:
             # Warm-up by construction: every expert is copied in once, never again.

@@ -12,7 +12,9 @@ from freetoken_sglang.execute.slot_moe import run_on_slots, routed_scale
 
 class DecodeExecutor:
     """Hits run from their slots; of the m misses, q are filled into LRU victims and run on
-    the GPU, the rest run on the CPU at the same time; the partial outputs are merged.
+    the GPU, the rest run on the CPU at the same time; the partial outputs are merged. With
+    the late fill (``miss_policy.py``) a call that fills none of its misses also fills them
+    after the call (``cache.late``, joined by the forward's last MoE layer).
 
     Args:
         runtime: the process's ``FreeTokenRuntime`` (cache, counters, miss policy, CPU
@@ -45,6 +47,8 @@ class DecodeExecutor:
         if on_cpu:
             rt.cpu_branch.launch(x, decision.cpu)  # copies x before the GPU may overwrite it
         cache.filler.run(decision.plan)
+        if decision.late is not None:  # the late fill: after this call, not waited for
+            cache.late.launch(decision.late)
         out = run_on_slots(
             call,
             decision.routed_ids,

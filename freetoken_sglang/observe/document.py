@@ -81,12 +81,15 @@ def stats_document(rt) -> Dict[str, object]:
             # the return rule's r (cache/residency.py); None without the rule
             "return_rate": rt.cache.residency.return_rate
             if rt.policy is not None and rt.policy.return_rule else None,
+            # fills planned after their calls (the late fill) since the last reset
+            "late_fills": int(rt.cache.residency.late.item()),
         }
     out["backend"] = rt.backend
     out["miss_policy"] = rt.policy.name if rt.policy else None
     out["admission"] = "reuse" if rt.policy is not None and rt.policy.admission else "off"
     out["fill_reused"] = "on" if rt.policy is not None and rt.policy.fill_reused else "off"
     out["return_rule"] = "on" if rt.policy is not None and rt.policy.return_rule else "off"
+    out["late_fill"] = "on" if rt.policy is not None and rt.policy.late_fill else "off"
     if rt.choice is not None:
         out["prefill_mode"] = {
             "mode": rt.choice.prefill,
