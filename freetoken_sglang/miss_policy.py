@@ -168,7 +168,8 @@ class MissPolicy:
         if num_tokens > SPLIT_MAX_TOKENS:
             return FILL_ALL
         if self.late_fill and not decode:
-            return dataclasses.replace(self, late_fill=False).decode_split
+            return dataclasses.replace(self.decode_split, late_fill=False,
+                                       min_fill=1)
         return self.decode_split
 
     def cpu_count(self, num_misses: int) -> int:

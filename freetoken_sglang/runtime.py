@@ -286,7 +286,8 @@ class FreeTokenRuntime:
             # The decision kernel's q tables, before any CUDA graph is captured.
             from freetoken_sglang.kernels.residency import q_table
 
-            for split in {self.policy.decode_split, FILL_ALL, MissSplit(0.0, 0)}:
+            for split in {self.policy.decode_split, self.policy.split_for(1, decode=False),
+                          FILL_ALL, MissSplit(0.0, 0)}:
                 q_table(split, self.num_experts, self.device)
         self._start_executors()
         if self.config.record_routing:
@@ -576,6 +577,8 @@ class FreeTokenRuntime:
         """After a forward (also one that raised): forget its phase and its streaming
         state, so that no later layer call can reuse its residency snapshot."""
         self.phase = None
+        if self.cache is not None and self.cache.late is not None:
+            self.cache.late.join()  # a forward that raised before its last MoE layer
         stream = self.executors.get("stream")
         if stream is not None:
             stream.end_forward()
@@ -869,14 +872,17 @@ class FreeTokenRuntime:
         return recaptured
 
     def _serving_state(self) -> tuple:
-        """What a graph capture's dummy batches would disturb: counters, forwards seen and
-        the routing replay's position."""
+        """What a graph capture's dummy batches (and a new cache) would disturb: counters,
+        late fills, forwards seen and the routing replay's position."""
         replay = (self.replay.cursor.clone(), self.replay.rows_used) if self.replay else None
-        return self.counters.counts.clone(), dict(self.forwards), replay
+        late = self.cache.residency.late.clone() if self.cache is not None else None
+        return self.counters.counts.clone(), dict(self.forwards), replay, late
 
     def _restore_serving_state(self, saved: tuple) -> None:
-        counts, forwards, replay = saved
+        counts, forwards, replay, late = saved
         self.counters.counts.copy_(counts)
+        if late is not None and self.cache is not None:
+            self.cache.residency.late.copy_(late)
         self.forwards = forwards
         if replay is not None:
             self.replay.cursor.copy_(replay[0])

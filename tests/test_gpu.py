@@ -66,7 +66,10 @@ def test_decide_on_cuda_matches_reference():
         assert db.cpu.experts[:c].tolist() == da.cpu.experts[:c].tolist()
         assert db.cpu.rows[:c].tolist() == da.cpu.rows[:c].tolist()
         if split.late_fill:
-            assert int(db.late.count) == int(da.late.count)
+            nl = int(da.late.count)
+            assert int(db.late.count) == nl
+            assert db.late.src[:nl].tolist() == da.late.src[:nl].tolist()
+            assert db.late.dst[:nl].tolist() == da.late.dst[:nl].tolist()
     assert a.late.item() > 0
     for name in ("residency", "owner", "key", "clock", "last_use", "missed", "returns",
                  "late"):
@@ -140,6 +143,63 @@ def test_late_fills_fork_and_join_inside_a_captured_graph():
         for src, dst in ((5, 1), (9, 6), (30, 4)):
             assert torch.equal(slots[n][dst].cpu(), bank[src])
         assert (slots[n][0] == 0).all()
+    pool.unpin()
+
+
+def test_late_fill_steps_in_a_graph_keep_each_slot_its_owners_row():
+    """Decode steps captured in a CUDA graph with the late fill, over a cache so small that a
+    step stamps every slot (a slot late-filled early in the step is a victim again later in
+    it, as ``DecodeExecutor`` then makes the in-time fill wait): after every replay each
+    owned slot holds exactly its owner's pool row."""
+    from freetoken_sglang.cache.fills import Filler, LateFills
+    from freetoken_sglang.cache.residency import MissSplit, ResidencyState, decide
+    from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
+    from freetoken_sglang.kernels.residency import q_table
+
+    L, E, k, S = 4, 16, 2, 6  # a step stamps up to L * k = 8 slots > S - 1
+    with torch.device("cuda"):
+        pool = HostExpertPool(list(range(L)), E, bank_specs_for_layer(256, 96, torch.bfloat16))
+    for bank in pool.banks.values():
+        bank.copy_(torch.randn(bank.shape).to(bank.dtype))
+    assert pool.pin()
+    slots = {n: torch.zeros(S, *s.shape, dtype=s.dtype, device="cuda")
+             for n, s in pool.specs.items()}
+    filler = Filler(pool.banks, pool.device_banks, slots)
+    late = LateFills(filler)
+    state = ResidencyState(L * E, S, "cuda")
+    counters = torch.zeros(5, L, dtype=torch.int64, device="cuda")
+    split = MissSplit(0.3, 0, late_fill=True)  # one miss: late; two: one fill in time
+    q_table(split, E, "cuda")
+    ids = torch.zeros(L, 1, k, dtype=torch.int32, device="cuda")
+    w = torch.ones(1, k, device="cuda")
+    nv = torch.ones(1, dtype=torch.int32, device="cuda")
+
+    def step():
+        for layer in range(L):
+            d = decide(state, counters, layer, E, ids[layer], w, nv, split)
+            if late.pending:
+                late.wait()
+            filler.run(d.plan)
+            late.launch(d.late)
+        late.join()
+
+    rng = random.Random(3)
+    step()  # eager first: the kernels compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    state.reset()
+    counters.zero_()
+    for _ in range(30):
+        ids.copy_(torch.tensor([[rng.sample(range(E), k)] for _ in range(L)]))
+        g.replay()
+        torch.cuda.synchronize()
+        for s, o in enumerate(state.owner[:S].tolist()):
+            if o >= 0:
+                for n in pool.banks:
+                    assert torch.equal(slots[n][s].cpu(), pool.banks[n][o]), (s, o)
+    assert state.late.item() > 0 and counters[2].sum().item() > 0  # late and in-time fills
     pool.unpin()
 
 

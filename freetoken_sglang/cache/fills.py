@@ -107,6 +107,17 @@ class LateFills:
             self.filler.run(plan)
         self._held.append(plan)
 
+    @property
+    def pending(self) -> bool:
+        """Late fills launched and not yet joined (host-side: the forward being built)."""
+        return bool(self._held)
+
+    def wait(self) -> None:
+        """Make the current stream wait for the late fills launched so far (``join`` without
+        forgetting them: a later launch still needs the forward's last MoE layer)."""
+        if self._held:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
     def join(self) -> None:
         """Make the current stream wait for every late fill launched so far."""
         if self._held:

@@ -10,6 +10,18 @@ from freetoken_sglang.execute.contract import LayerCall
 from freetoken_sglang.execute.slot_moe import run_on_slots, routed_scale
 
 
+def _late_slots_kept(cache, call: LayerCall) -> bool:
+    """Whether no victim of this forward can be a slot late-filled earlier in it: a forward
+    stamps at most ``L * K`` slots (K: the call's most distinct experts), so with more LRU
+    slots than that, a slot stamped by an earlier call of the forward is never the least
+    recently used within it."""
+    from freetoken_sglang.cache.residency import max_unique_experts
+
+    t, k = call.topk_ids.shape
+    per_call = max_unique_experts(t, k, cache.num_experts)
+    return cache.residency.num_slots > cache.pool.num_layers * per_call
+
+
 class DecodeExecutor:
     """Hits run from their slots; of the m misses, q are filled into LRU victims and run on
     the GPU, the rest run on the CPU at the same time; the partial outputs are merged. With
@@ -46,6 +58,10 @@ class DecodeExecutor:
         )
         if on_cpu:
             rt.cpu_branch.launch(x, decision.cpu)  # copies x before the GPU may overwrite it
+        if cache.late.pending and not _late_slots_kept(cache, call):
+            # A forward that can stamp every other slot after a late fill may choose its slot
+            # as a victim again: this call's fills then wait for the late copies (same link).
+            cache.late.wait()
         cache.filler.run(decision.plan)
         if decision.late is not None:  # the late fill: after this call, not waited for
             cache.late.launch(decision.late)

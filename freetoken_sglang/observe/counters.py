@@ -26,9 +26,11 @@ class ExpertCounters:
     - ``reads``: unique routed experts of the layer calls (hits + fills + cpu; an expert
       routed to by several tokens of one call counts once);
     - ``hits``: of those, already resident in a slot;
-    - ``fills``: copied from the host pool into a slot;
-    - ``evictions``: fills that displaced a resident expert;
-    - ``cpu``: misses run in place on the CPU (they do not change residency).
+    - ``fills``: copied from the host pool into a slot before the call computed;
+    - ``evictions``: fills (late fills too) that displaced a resident expert;
+    - ``cpu``: misses run in place on the CPU (they do not change residency, except under
+      the late fill, which copies them in after the call: ``ResidencyState.late`` counts
+      those).
     """
 
     def __init__(self, moe_layer_ids: List[int], device):

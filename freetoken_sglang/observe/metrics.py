@@ -48,9 +48,12 @@ EXPERT_COUNTERS = (
     ("reads", "expert_reads", "Routed expert reads (unique experts per MoE layer call) "
      "through the expert cache's LRU."),
     ("hits", "expert_hits", "Routed expert reads already resident in the expert cache."),
-    ("fills", "expert_fills", "Routed experts copied from the host pool into the expert cache."),
-    ("evictions", "expert_evictions", "Expert-cache fills that displaced a resident expert."),
-    ("cpu", "expert_cpu_executed", "Missed routed experts run in place on the CPU."),
+    ("fills", "expert_fills", "Routed experts copied from the host pool into the expert cache "
+     "before their layer call computed (late fills are counted as cpu)."),
+    ("evictions", "expert_evictions", "Expert-cache fills, late fills included, that displaced "
+     "a resident expert."),
+    ("cpu", "expert_cpu_executed", "Missed routed experts run in place on the CPU (late "
+     "fills included: they run on the CPU, then are copied in)."),
 )
 assert tuple(f for f, _, _ in EXPERT_COUNTERS) == FIELDS
 
