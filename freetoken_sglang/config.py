@@ -213,12 +213,14 @@ class FreeTokenConfig:
     late_fill: str = field(
         default="off",
         metadata=dict(
-            type=_choice("off", "on"),
+            type=_choice("off", "on", "all"),
             help="With --freetoken-miss-policy qstar: on runs the misses of a layer call that "
             "q* fills none of (with B_P/B_H near 1/3: a lone miss) on the CPU and fills them "
             "after the call, beside the GPU's work on the next layers, so the call does not "
             "wait for the fill and the expert is resident for its next use; q* then drops "
-            "the paper's at-least-one fill. off (default): Eq. 4 as in the paper.",
+            "the paper's at-least-one fill; all also fills every other CPU run late (those "
+            "--freetoken-admission reuse admits, where it is on). off (default): Eq. 4 as "
+            "in the paper.",
         ),
     )
     cpu_branch: str = field(
@@ -580,8 +582,8 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
                 problems.append(f"{cli_name(name)} on {why}: give one of them")
         if "late_fill" in given and cfg.miss_policy != "qstar":
             problems.append("--freetoken-late-fill is used only by --freetoken-miss-policy qstar")
-        elif cfg.late_fill == "on" and cfg.return_rule == "on":
-            problems.append("--freetoken-late-fill on removes the later fills "
+        elif cfg.late_fill != "off" and cfg.return_rule == "on":
+            problems.append(f"--freetoken-late-fill {cfg.late_fill} removes the later fills "
                             "--freetoken-return-rule on weighs: give one of them")
         for name in ("cpu_threads", "cpu_isa"):
             if name in given and cfg.miss_policy == "fill" and cfg.prefill_cpu == "off":

@@ -29,11 +29,11 @@ POLICY_KEYS = {
     "admission": (("off", "reuse"), KEY_ADMISSION),
     "fill_reused": (("off", "on"), KEY_FILL_REUSED),
     "return_rule": (("off", "on"), KEY_RETURN_RULE),
-    "late_fill": (("off", "on"), KEY_LATE_FILL),
+    "late_fill": (("off", "on", "all"), KEY_LATE_FILL),
 }
 BODIES = ('{"gb": G} or {"slots": N}, and/or {"miss_policy": "fill"|"qstar"|"cpu"} '
           'with "admission": "off"|"reuse" or "fill_reused": "off"|"on", and/or '
-          '"return_rule": "off"|"on", "late_fill": "off"|"on"')
+          '"return_rule": "off"|"on", "late_fill": "off"|"on"|"all"')
 
 
 def parse_body(body) -> dict:
@@ -159,8 +159,8 @@ def resize_cache(engine, slots: Optional[int] = None, gb: Optional[float] = None
     """Resize the GPU expert cache of an ``sglang.Engine(..., enable_freetoken=True)``, or
     change its miss policy, as ``POST /freetoken/cache`` does: at most one of ``slots`` and
     ``gb`` (GiB); ``miss_policy`` (``fill``, ``qstar``, ``cpu``) with ``admission``
-    (``off``, ``reuse``) or ``fill_reused`` (``off``, ``on``), and ``return_rule`` or
-    ``late_fill`` (``off``, ``on``), as the flags of those names.
+    (``off``, ``reuse``) or ``fill_reused`` (``off``, ``on``), and ``return_rule`` (``off``,
+    ``on``) or ``late_fill`` (``off``, ``on``, ``all``), as the flags of those names.
 
     Returns:
         The ``ResizeReport`` fields (old and new slots and bytes, experts kept and dropped,

@@ -62,6 +62,11 @@ the late copies of a step add at most one expert per MoE layer to the link, neve
 ``fill`` would have moved in those calls. q* drops the paper's at-least-one fill (its reason,
 that the cache learns, is met by the late fill). Combines with the admission and re-miss
 rules, not with the return rule (which weighs the later fills the late fill removes).
+Measured (benchmarks/RESULTS.md, Session 29): no bs1 gain, because the CPU runs of calls that
+do fill are still left out of the cache and miss again. ``--freetoken-late-fill all`` fills
+those late too (the ones the admission rule admits, where it is on): the cache then learns
+every miss as under ``fill`` (every admitted one), while each call waits only for its own q*
+fills and CPU runs; the late copies share the link with later calls' fills. Not measured yet.
 
 Layer calls over more than ``SPLIT_MAX_TOKENS`` rows that reach the LRU (prefill chunks that
 do not stream, ``execute/choice.py``) fill every miss in all
@@ -99,12 +104,13 @@ class MissPolicy:
         fill_reused: the re-miss rule (``qstar`` only).
         return_rule: the return rule (``qstar`` only; needs ``expert_bytes``).
         late_fill: the late fill (``qstar`` only; not with the return rule).
+        late_all: with ``late_fill``, every admitted CPU run fills late (``all``).
 
     Raises:
         ValueError: unknown name, ``qstar`` without positive bandwidths, ``fixed_us`` or the
             return rule without ``expert_bytes``, the return rule without ``fixed_us``, a rule
             without ``qstar``, the admission rule with the re-miss or the return rule, or the
-            late fill with the return rule.
+            late fill with the return rule, or ``late_all`` without ``late_fill``.
     """
 
     name: str
@@ -115,6 +121,7 @@ class MissPolicy:
     fill_reused: bool = False
     return_rule: bool = False
     late_fill: bool = False
+    late_all: bool = False
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -138,6 +145,8 @@ class MissPolicy:
         if self.admission and self.return_rule:
             raise ValueError("the return rule would fill the misses the admission rule sends "
                              "to the CPU on purpose: give one of them")
+        if self.late_all and not self.late_fill:
+            raise ValueError("late_all is a form of the late fill: give late_fill too")
         if self.late_fill and self.return_rule:
             raise ValueError("the return rule weighs later fills that the late fill removes: "
                              "give one of them")
@@ -153,13 +162,14 @@ class MissPolicy:
         min_fill = 0 if self.late_fill else 1
         if self.fixed_us is None:
             return MissSplit(b_p / b_h, min_fill, admit_reuse=self.admission,
-                             fill_reused=self.fill_reused, late_fill=self.late_fill)
+                             fill_reused=self.fill_reused, late_fill=self.late_fill,
+                             late_all=self.late_all)
         f_p, f_h = self.fixed_us
         fill_us = self.expert_bytes / (b_p * 1e3)  # bytes / (GB/s) in us
         # Beside a saturated link the CPU reads at B_H - B_P (Eq. 2); none left: always fill.
         cpu_us = self.expert_bytes / ((b_h - b_p) * 1e3) if b_h > b_p else UNREACHABLE_US
         return MissSplit(b_p / b_h, min_fill, fill_us, cpu_us, f_p, f_h, self.admission,
-                         self.fill_reused, self.return_rule, self.late_fill)
+                         self.fill_reused, self.return_rule, self.late_fill, self.late_all)
 
     def split_for(self, num_tokens: int, decode: bool = True) -> MissSplit:
         """The split of a layer call over ``num_tokens`` rows (prefill-sized calls fill); in
@@ -168,7 +178,7 @@ class MissPolicy:
         if num_tokens > SPLIT_MAX_TOKENS:
             return FILL_ALL
         if self.late_fill and not decode:
-            return dataclasses.replace(self.decode_split, late_fill=False,
+            return dataclasses.replace(self.decode_split, late_fill=False, late_all=False,
                                        min_fill=1)
         return self.decode_split
 
@@ -187,10 +197,11 @@ class MissPolicy:
     def label(self) -> str:
         """The policy and its rules in the flags' words: ``fill``, ``qstar``, ``cpu``,
         ``qstar+admission``, ``qstar+fill_reused``, each of the qstar ones optionally
-        followed by ``+return_rule`` or ``+late_fill``."""
+        followed by ``+return_rule``, ``+late_fill`` or ``+late_fill_all``."""
         rule = "+admission" if self.admission else "+fill_reused" if self.fill_reused else ""
         return (self.name + rule + ("+return_rule" if self.return_rule else "")
-                + ("+late_fill" if self.late_fill else ""))
+                + ("+late_fill" if self.late_fill else "")
+                + ("_all" if self.late_all else ""))
 
     def describe(self) -> str:
         if self.name != "qstar":
@@ -199,7 +210,8 @@ class MissPolicy:
         text = ("qstar with the admission rule (reuse) " if self.admission else
                 "qstar with the re-miss rule " if self.fill_reused else "qstar ")
         text += "and the return rule " if self.return_rule else ""
-        text += "and the late fill " if self.late_fill else ""
+        text += ("and the late fill of every admitted CPU run " if self.late_all else
+                 "and the late fill " if self.late_fill else "")
         text += f"(B_P {b_p:.1f} GB/s, B_H {b_h:.1f} GB/s, q*/m = B_P/B_H = {b_p / b_h:.3f}"
         if self.fixed_us is None:
             return text + "; fixed costs unknown: no lone-miss rule)"

@@ -441,7 +441,8 @@ class FreeTokenRuntime:
                 admission=self.config.admission == "reuse",
                 fill_reused=self.config.fill_reused == "on",
                 return_rule=self.config.return_rule == "on",
-                late_fill=self.config.late_fill == "on",
+                late_fill=self.config.late_fill != "off",
+                late_all=self.config.late_fill == "all",
             )
         else:
             self.policy = MissPolicy("cpu")
@@ -656,8 +657,8 @@ class FreeTokenRuntime:
         most recently used experts that fit, frees the old slot banks before allocating the
         new ones (GPU memory goes back to the device), re-captures SGLang's CUDA graphs and
         keeps the counters. Paper §2.3, §3.3. With ``miss_policy`` (``fill``, ``qstar``,
-        ``cpu``; ``admission`` ``off``/``reuse``, ``fill_reused``, ``return_rule`` and
-        ``late_fill`` ``off``/``on``, as the
+        ``cpu``; ``admission`` ``off``/``reuse``, ``fill_reused`` and ``return_rule``
+        ``off``/``on``, ``late_fill`` ``off``/``on``/``all``, as the
         flags), the decode miss policy changes at the same point (no size: the same size);
         a rule given alone changes the current q*'s.
 
@@ -803,7 +804,8 @@ class FreeTokenRuntime:
         adm = admission == "reuse" if admission is not None else keep and cur.admission
         reused = fill_reused == "on" if fill_reused is not None else keep and cur.fill_reused
         ret = return_rule == "on" if return_rule is not None else keep and cur.return_rule
-        late = late_fill == "on" if late_fill is not None else keep and cur.late_fill
+        late = late_fill != "off" if late_fill is not None else keep and cur.late_fill
+        late_all = late_fill == "all" if late_fill is not None else keep and cur.late_all
         if name != "fill" and self.cpu_branch is None:
             raise ValueError(
                 f"the {name} miss policy runs misses on the CPU, and this server started "
@@ -811,7 +813,7 @@ class FreeTokenRuntime:
                 "--freetoken-miss-policy qstar or cpu to change policies while serving")
         if name != "qstar":
             return MissPolicy(name, admission=adm, fill_reused=reused, return_rule=ret,
-                              late_fill=late)
+                              late_fill=late, late_all=late_all)
         try:
             bw = self._resolve_bandwidth()
         except Exception as e:  # noqa: BLE001 - the server keeps serving its old policy
@@ -820,7 +822,8 @@ class FreeTokenRuntime:
                 "server with --freetoken-bandwidth B_P,B_H (python -m freetoken_sglang.profile "
                 "measures them)") from e
         return MissPolicy("qstar", (bw.b_p, bw.b_h), bw.fixed_us, self.pool.expert_bytes,
-                          admission=adm, fill_reused=reused, return_rule=ret, late_fill=late)
+                          admission=adm, fill_reused=reused, return_rule=ret, late_fill=late,
+                          late_all=late_all)
 
     def _set_policy(self, policy: MissPolicy) -> None:
         """Serve decode misses by ``policy`` from the next captured or eager forward (the

@@ -72,6 +72,8 @@ def _decide_kernel(
     cpu_us,
     fill_fixed_us,
     fixed_diff_us,  # fill_fixed_us - cpu_fixed_us
+    late_src_ptr,  # int32 [K] out (the late fill)
+    late_dst_ptr,  # int32 [K] out (the late fill)
     late_count_ptr,  # int32 [1] out (the late fill)
     late_total_ptr,  # int64 [1] (the late fill)
     E_PAD: tl.constexpr,
@@ -81,6 +83,7 @@ def _decide_kernel(
     REFILL: tl.constexpr,  # the re-miss rule (MissSplit.fill_reused)
     RETURN: tl.constexpr,  # the return rule (MissSplit.return_rule)
     LATE: tl.constexpr,  # the late fill (MissSplit.late_fill)
+    LATE_ALL: tl.constexpr,  # ... of every admitted CPU run (MissSplit.late_all)
 ):
     e = tl.arange(0, E_PAD)
     nv = tl.load(num_valid_ptr)
@@ -171,18 +174,30 @@ def _decide_kernel(
         tl.store(missed_ptr + base + e, miss.to(tl.int8), mask=(used > 0) & em)
     cpu = miss & (fillm == 0)
     n_cpu = tl.sum(cpu.to(tl.int32), axis=0)
+    q = tl.sum(fillm.to(tl.int32), axis=0)
+    rank = tl.cumsum(fillm.to(tl.int32), axis=0) - 1
     if LATE:
         # A call that fills none of its misses (Eq. 4 and every rule) fills them all late:
         # they keep running on the CPU, and get slots now (row 0 of the table: fill_count).
+        # LATE_ALL: every other CPU run the admission rule admits (all without it) too. The
+        # late fills take the victims after the call's own fills.
         q_base = tl.load(q_table_ptr + n_miss)
-        late_call = (tl.sum(fillm.to(tl.int32), axis=0) == 0) & (q_base == 0)
-        fillm = fillm | (miss & late_call)
-    q = tl.sum(fillm.to(tl.int32), axis=0)
-    rank = tl.cumsum(fillm.to(tl.int32), axis=0) - 1
+        latem = miss & ((q == 0) & (q_base == 0))
+        if LATE_ALL:
+            if ADMIT:
+                latem = latem | (cpu & reused)
+            else:
+                latem = latem | cpu
+        lrank = q + tl.cumsum(latem.to(tl.int32), axis=0) - 1
+        n_late = tl.sum(latem.to(tl.int32), axis=0)
+    else:
+        latem = miss & (e < 0)
+        lrank = rank
+        n_late = q * 0
     n_evict = n_miss * 0
     tl.debug_barrier()
     tl.store(last_use_ptr + base + e, now + e * 0, mask=(used > 0) & em)
-    for i in range(0, q):
+    for i in range(0, q + n_late):
         # The least recently used slot: the smallest key (keys are unique).
         kmin = tl.load(key_ptr)
         for s0 in range(0, S, SLOT_BLOCK):
@@ -190,8 +205,8 @@ def _decide_kernel(
             keys = tl.load(key_ptr + so, mask=so < S, other=now * S + S)
             kmin = tl.minimum(kmin, tl.min(keys, axis=0))
         v = ((kmin % S) + S) % S
-        # The i-th filled miss, in expert order.
-        ex = tl.sum(tl.where(fillm & (rank == i), e, 0), axis=0)
+        # The i-th filled miss, in expert order (the call's own fills, then the late ones).
+        ex = tl.sum(tl.where((fillm & (rank == i)) | (latem & (lrank == i)), e, 0), axis=0)
         flat = base + ex
         old = tl.load(owner_ptr + v)
         tl.store(res_ptr + tl.maximum(old, 0), -1, mask=old >= 0)
@@ -199,14 +214,16 @@ def _decide_kernel(
         tl.store(res_ptr + flat, v.to(tl.int32))
         tl.store(owner_ptr + v, flat)
         tl.store(key_ptr + v, now * S + v)
-        tl.store(src_ptr + i, flat)
-        tl.store(dst_ptr + i, v.to(tl.int32))
+        if i < q:
+            tl.store(src_ptr + i, flat)
+            tl.store(dst_ptr + i, v.to(tl.int32))
+        else:
+            tl.store(late_src_ptr + (i - q), flat)
+            tl.store(late_dst_ptr + (i - q), v.to(tl.int32))
         tl.debug_barrier()
     if LATE:
-        n_late = tl.where(late_call, q, 0)
         tl.store(late_count_ptr, n_late)
         tl.store(late_total_ptr, tl.load(late_total_ptr) + n_late.to(tl.int64))
-        q = q - n_late
     tl.store(count_ptr, q)
     # Routing for the GPU compute (padded rows take row 0's experts, CPU entries -1) and
     # the CPU work items, compacted in row-major order.
@@ -308,8 +325,8 @@ def decide_triton(
         count=torch.empty(1, **i32),
     )
     late_on = bool(split.late_fill) and state.num_slots > 0
-    late = (FillPlan(src=plan.src, dst=plan.dst, count=torch.zeros(1, **i32))
-            if split.late_fill else None)
+    late = (FillPlan(src=torch.empty(K, **i32), dst=torch.empty(K, **i32),
+                     count=torch.zeros(1, **i32)) if split.late_fill else None)
     _decide_kernel[(1,)](
         ids,
         weights,
@@ -343,6 +360,8 @@ def decide_triton(
         float(split.cpu_us),
         float(split.fill_fixed_us),
         float(split.fill_fixed_us - split.cpu_fixed_us),
+        late.src if late is not None else plan.src,
+        late.dst if late is not None else plan.dst,
         late.count if late is not None else plan.count,
         state.late,
         E_PAD=triton.next_power_of_2(E),
@@ -352,6 +371,7 @@ def decide_triton(
         REFILL=bool(split.fill_reused) and state.num_slots > 0,
         RETURN=bool(split.return_rule) and state.num_slots > 0,
         LATE=late_on,
+        LATE_ALL=late_on and bool(split.late_all),
         num_warps=DECIDE_WARPS,
         enable_fp_fusion=False,  # the return rule's fp32 sums round as the reference's
     )

@@ -105,6 +105,8 @@ def test_miss_policy_flags():
         ({"freetoken_late_fill": "on"}, "--freetoken-late-fill is used only by"),
         ({"freetoken_miss_policy": "qstar", "freetoken_late_fill": "on",
           "freetoken_return_rule": "on"}, "removes the later fills .* give one of them"),
+        ({"freetoken_miss_policy": "qstar", "freetoken_late_fill": "all",
+          "freetoken_return_rule": "on"}, "late-fill all removes the later fills"),
         ({"freetoken_backend": "cpu", "freetoken_late_fill": "on"},
          "--freetoken-late-fill has no effect with --freetoken-backend cpu"),
         ({"freetoken_backend": "cpu", "freetoken_return_rule": "on"},

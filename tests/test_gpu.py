@@ -50,8 +50,12 @@ def test_decide_on_cuda_matches_reference():
         # the late fill (a call q* fills none of fills its misses after the call)
         late = MissSplit(0.3, 0, 200.0, 100.0, 10.0, 50.0, late_fill=True)
         late_admit = MissSplit(0.3, 0, admit_reuse=True, late_fill=True)
+        # ... of every CPU run (all), alone and with admission
+        late_all = MissSplit(0.4, 0, late_fill=True, late_all=True)
+        late_all_admit = MissSplit(0.4, 0, admit_reuse=True, late_fill=True, late_all=True)
         split = (rng.choice([MissSplit(0.6, 1), MissSplit(0.7, 1), costed, admit, refill, both,
-                             ret, ret, late, late_admit]) if T <= 16 else MissSplit(1.0, 0))
+                             ret, ret, late, late_admit, late_all, late_all_admit])
+                 if T <= 16 else MissSplit(1.0, 0))
         ids = torch.tensor([rng.sample(range(E), k) for _ in range(T)], dtype=torch.int32)
         w = torch.rand(T, k)
         nv = torch.tensor([rng.randint(1, T)], dtype=torch.int32)
@@ -146,7 +150,8 @@ def test_late_fills_fork_and_join_inside_a_captured_graph():
     pool.unpin()
 
 
-def test_late_fill_steps_in_a_graph_keep_each_slot_its_owners_row():
+@pytest.mark.parametrize("late_all", [False, True])
+def test_late_fill_steps_in_a_graph_keep_each_slot_its_owners_row(late_all):
     """Decode steps captured in a CUDA graph with the late fill, over a cache so small that a
     step stamps every slot (a slot late-filled early in the step is a victim again later in
     it, as ``DecodeExecutor`` then makes the in-time fill wait): after every replay each
@@ -168,7 +173,8 @@ def test_late_fill_steps_in_a_graph_keep_each_slot_its_owners_row():
     late = LateFills(filler)
     state = ResidencyState(L * E, S, "cuda")
     counters = torch.zeros(5, L, dtype=torch.int64, device="cuda")
-    split = MissSplit(0.3, 0, late_fill=True)  # one miss: late; two: one fill in time
+    # one miss: late; two: one fill in time (and with late_all the other one late)
+    split = MissSplit(0.3, 0, late_fill=True, late_all=late_all)
     q_table(split, E, "cuda")
     ids = torch.zeros(L, 1, k, dtype=torch.int32, device="cuda")
     w = torch.ones(1, k, device="cuda")

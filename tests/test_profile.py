@@ -121,6 +121,14 @@ def test_miss_policies():
     assert late.cpu_count(1) == 1 and "and the late fill (" in late.describe()
     assert MissPolicy("qstar", (50.0, 150.0), admission=True,
                       late_fill=True).label == "qstar+admission+late_fill"
+    every = MissPolicy("qstar", (50.0, 150.0), admission=True, late_fill=True, late_all=True)
+    assert every.decode_split == MissSplit(1 / 3, 0, admit_reuse=True, late_fill=True,
+                                           late_all=True)
+    assert every.label == "qstar+admission+late_fill_all"
+    assert "late fill of every admitted CPU run" in every.describe()
+    assert every.split_for(1, decode=False) == MissSplit(1 / 3, 1, admit_reuse=True)
+    with pytest.raises(ValueError, match="give late_fill too"):
+        MissPolicy("qstar", (50.0, 150.0), late_all=True)
     with pytest.raises(ValueError, match="late fill needs the qstar miss policy"):
         MissPolicy("cpu", late_fill=True)
     with pytest.raises(ValueError, match="removes: give one of them"):

@@ -41,7 +41,10 @@ SPLITS = [FILL_ALL, MissSplit(0.6, 1), MissSplit(0.25, 1), MissSplit(0.0, 0), CO
           MissSplit(0.6, 1, 200.0, 100.0, 10.0, 50.0, fill_reused=True, return_rule=True),
           LATE, MissSplit(0.25, 0, 200.0, 100.0, 10.0, 50.0, late_fill=True),
           MissSplit(0.25, 0, fill_reused=True, late_fill=True),
-          MissSplit(0.25, 0, admit_reuse=True, late_fill=True)]
+          MissSplit(0.25, 0, admit_reuse=True, late_fill=True),
+          # every CPU run filled late (all), alone and with admission (the reused ones)
+          MissSplit(0.25, 0, late_fill=True, late_all=True),
+          MissSplit(0.6, 0, admit_reuse=True, late_fill=True, late_all=True)]
 
 
 class ReferenceLRU:
@@ -120,6 +123,10 @@ class ReferenceLRU:
             ):
                 q0 = m
             late = sorted(misses) if q0 == 0 else []
+        if split.late_all and self.S:
+            more = [f for f in to_cpu if f not in late
+                    and (f in reused or not split.admit_reuse)]
+            late = sorted(late + more)
         self.late += len(late)
         order = sorted(range(self.S), key=lambda s: (self.stamp[s], s))
         fills, evictions = [], 0
@@ -202,9 +209,9 @@ def test_decide_matches_reference_lru(seed):
             assert list(zip(d.plan.src[:n].tolist(), d.plan.dst[:n].tolist())) == want_fills
             assert d.plan.src.numel() == max_unique_experts(T, k, E)
             assert (d.late is not None) == split.late_fill
-            if d.late is not None:  # the late fills share the plan's rows: never both
+            if d.late is not None:  # a call has fills and late fills only with late_all
                 nl = int(d.late.count)
-                assert nl == 0 or n == 0
+                assert nl == 0 or n == 0 or split.late_all
                 assert list(zip(d.late.src[:nl].tolist(),
                                 d.late.dst[:nl].tolist())) == ref.late_fills
             c = int(d.cpu.count)
@@ -374,6 +381,28 @@ def test_remiss_rule_counts_its_fills_in_q(use_kernel):
     assert cpu == [[], [8, 9], [11, 12, 13], [14]]
 
 
+def late_calls(use_kernel, split, num_slots, calls):
+    """``one_row_calls`` over 8 experts with the late fill: each call's (fills, late fills,
+    CPU experts), the fills as (pool row, slot) pairs."""
+    from freetoken_sglang.cache.residency import decide_reference
+
+    run = decide_reference
+    if use_kernel:
+        from freetoken_sglang.kernels.residency import decide_triton as run
+    state = ResidencyState(8, num_slots, "cpu")
+    counters = torch.zeros(5, 1, dtype=torch.int64)
+    got = []
+    for ids in calls:
+        d = run(state, counters, 0, 8, torch.tensor([ids], dtype=torch.int32),
+                torch.ones(1, len(ids)), torch.tensor([1], dtype=torch.int32), split)
+        n, nl, c = int(d.plan.count), int(d.late.count), int(d.cpu.count)
+        got.append((list(zip(d.plan.src[:n].tolist(), d.plan.dst[:n].tolist())),
+                    list(zip(d.late.src[:nl].tolist(), d.late.dst[:nl].tolist())),
+                    d.cpu.experts[:c].tolist()))
+        check_invariants(state, 8)
+    return state, counters, got
+
+
 @pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])
 def test_late_fill_runs_a_lone_miss_on_the_cpu_and_keeps_it(use_kernel):
     # LATE: q*/m = 0.25 without the at-least-one fill. One layer of 8 experts, 3 slots.
@@ -383,28 +412,30 @@ def test_late_fill_runs_a_lone_miss_on_the_cpu_and_keeps_it(use_kernel):
     #    the CPU, nothing late (the call fills one).
     # 4: 3 misses alone: the CPU and a late fill into the least recently used slot (0,
     #    evicting expert 0).
-    from freetoken_sglang.cache.residency import decide_reference
-
-    run = decide_reference
-    if use_kernel:
-        from freetoken_sglang.kernels.residency import decide_triton as run
-    state = ResidencyState(8, 3, "cpu")
-    counters = torch.zeros(5, 1, dtype=torch.int64)
-    got = []
-    for ids in ([0], [0, 1], [1, 2, 3, 4], [3]):
-        d = run(state, counters, 0, 8, torch.tensor([ids], dtype=torch.int32),
-                torch.ones(1, len(ids)), torch.tensor([1], dtype=torch.int32), LATE)
-        n, nl, c = int(d.plan.count), int(d.late.count), int(d.cpu.count)
-        got.append((list(zip(d.plan.src[:n].tolist(), d.plan.dst[:n].tolist())),
-                    list(zip(d.late.src[:nl].tolist(), d.late.dst[:nl].tolist())),
-                    d.cpu.experts[:c].tolist()))
-        check_invariants(state, 8)
+    state, counters, got = late_calls(use_kernel, LATE, 3, ([0], [0, 1], [1, 2, 3, 4], [3]))
     assert got == [([], [(0, 0)], [0]), ([], [(1, 1)], [1]), ([(2, 2)], [], [3, 4]),
                    ([], [(3, 0)], [3])]
     assert state.residency[:8].tolist() == [-1, 1, 2, 0, -1, -1, -1, -1]
     # reads, hits, fills the calls waited for, evictions, CPU runs; 3 late fills
     assert counters[:, 0].tolist() == [8, 2, 1, 1, 5]
     assert state.late.item() == 3
+
+
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])
+@pytest.mark.parametrize("late_all", [False, True])
+def test_late_fill_all_fills_the_cpu_runs_of_calls_that_fill(use_kernel, late_all):
+    # q*/m = 0.5, one layer of 8 experts, 4 slots. 1: experts 0-2 miss: q*(3) = 2 fills (0, 1)
+    # the call waits for; 2 runs on the CPU, and with "all" is filled late (the next victim,
+    # slot 2). 2: expert 2 again: a hit with "all", else a lone miss (q*(1) = round(0.5) = 1
+    # in-time fill).
+    split = MissSplit(0.5, 0, late_fill=True, late_all=late_all)
+    state, counters, got = late_calls(use_kernel, split, 4, ([0, 1, 2], [2]))
+    if late_all:
+        assert got == [([(0, 0), (1, 1)], [(2, 2)], [2]), ([], [], [])]
+        assert counters[:, 0].tolist() == [4, 1, 2, 0, 1] and state.late.item() == 1
+    else:
+        assert got == [([(0, 0), (1, 1)], [], [2]), ([(2, 2)], [], [])]
+        assert counters[:, 0].tolist() == [4, 0, 3, 0, 1] and state.late.item() == 0
 
 
 @pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])

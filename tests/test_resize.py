@@ -205,7 +205,8 @@ def test_policy_bodies_travel_as_numbers():
     assert parse_body({"miss_policy": "cpu"}) == {"miss_policy": "cpu"}
     for body in ({"slots": 9, "miss_policy": "qstar", "admission": "reuse"},
                  {"gb": 1.5, "fill_reused": "on"}, {"miss_policy": "fill"},
-                 {"return_rule": "on", "fill_reused": "on"}, {"late_fill": "on"}):
+                 {"return_rule": "on", "fill_reused": "on"}, {"late_fill": "on"},
+                 {"late_fill": "all", "admission": "reuse"}):
         args = to_args(parse_body(body))
         assert all(type(v) in (int, float) for v in args.values())  # SetInternalStateReq
         assert from_args({KEY_ID: 1, **args}) == parse_body(body)
@@ -342,7 +343,7 @@ def test_resize_under_load_matches_stock_sglang(tiny_checkpoint, tmp_path):
                                              '{"miss_policy": "fill"|"qstar"|"cpu"} with '
                                              '"admission": "off"|"reuse" or "fill_reused": '
                                              '"off"|"on", and/or "return_rule": "off"|"on", '
-                                             '"late_fill": "off"|"on"')
+                                             '"late_fill": "off"|"on"|"all"')
     assert final["cache"]["slots"] == 24 and final["cache"]["resizes"] == len(SIZES)
     assert log.count("GPU expert cache resized (request)") == len(SIZES)
 
@@ -365,7 +366,8 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     """A server started with qstar serves cpu, qstar with the admission rule and fill after
     ``POST /freetoken/cache`` changes them, each with the tokens qstar gave (fp32: every
     policy is stock's, tests/test_e2e_families.py) and the counters each policy leaves.
-    B_P / B_H = 0.1: q* rounds up to 4 misses to no fill, which the late fill fills late."""
+    B_P / B_H = 0.1: q* rounds up to 4 misses to no fill; the late fill (all) fills every CPU
+    run after its call."""
     from sglang_cpu import start_server
 
     path = tiny_checkpoint("qwen3_moe", **SHAPE)
@@ -384,7 +386,7 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
         to_return = post({"admission": "off", "return_rule": "on"})
         got_return, s2r = _generate(ft.url)
         with_return = post({"late_fill": "on"})  # the return rule kept: refused
-        to_late = post({"return_rule": "off", "late_fill": "on"})
+        to_late = post({"return_rule": "off", "late_fill": "all"})
         got_late, s2l = _generate(ft.url)
         to_fill = post({"miss_policy": "fill", "slots": 24})
         got_fill, s3 = _generate(ft.url)
@@ -409,9 +411,10 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     assert got_return == want and (s2r["admission"], s2r["return_rule"]) == ("off", "on")
     assert d(s2, s2r, "reads") > 0 and 0 <= s2r["cache"]["return_rate"] <= 1
     assert with_return.status_code == 400 and "give one of them" in with_return.json()["error"]
-    assert to_late.status_code == 200 and to_late.json()["miss_policy"] == "qstar+late_fill"
-    assert got_late == want and (s2l["return_rule"], s2l["late_fill"]) == ("off", "on")
-    # lone misses ran on the CPU and were filled after their calls
+    assert to_late.status_code == 200
+    assert to_late.json()["miss_policy"] == "qstar+late_fill_all"
+    assert got_late == want and (s2l["return_rule"], s2l["late_fill"]) == ("off", "all")
+    # CPU runs were filled after their calls
     assert d(s2r, s2l, "cpu") > 0 and s2l["cache"]["late_fills"] > 0
     assert s2r["cache"]["late_fills"] == 0
     s2 = s2l
@@ -421,8 +424,8 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     assert d(s2, s3, "cpu") == 0 and d(s2, s3, "fills") > 0
     assert "decode misses now cpu (was qstar): " in log
     assert "decode misses now qstar+return_rule (was qstar+admission): " in log
-    assert "decode misses now qstar+late_fill (was qstar+return_rule): " in log
-    assert "decode misses now fill (was qstar+late_fill): " in log
+    assert "decode misses now qstar+late_fill_all (was qstar+return_rule): " in log
+    assert "decode misses now fill (was qstar+late_fill_all): " in log
 
 
 def test_a_failed_bandwidth_measurement_refuses_the_change():

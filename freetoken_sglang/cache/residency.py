@@ -66,7 +66,9 @@ class MissSplit:
     its misses (``q = 0`` after every rule, and ``fill_count(m) = 0``) runs them all on the
     CPU and also plans their fills into LRU victims, which the executor carries out *after*
     the call, beside the GPU's work (``LayerDecision.late``): the call does not wait for
-    them, and the experts are resident for their next use."""
+    them, and the experts are resident for their next use. With ``late_all`` too, every
+    other CPU run of a call is filled late as well (with ``admit_reuse``: the reused ones);
+    the call's own fills take the least recently used victims, the late ones the next."""
 
     fill_ratio: float = 1.0
     min_fill: int = 0
@@ -78,6 +80,7 @@ class MissSplit:
     fill_reused: bool = False
     return_rule: bool = False
     late_fill: bool = False
+    late_all: bool = False
 
 
 FILL_ALL = MissSplit(1.0, 0)
@@ -104,8 +107,7 @@ class LayerDecision:
     contribute nothing on the GPU); every other id is resident.
 
     ``late`` (with ``MissSplit.late_fill``, else None): fills of CPU-run experts that no
-    compute of this call waits for; it shares ``plan``'s ``src``/``dst`` (a call has either
-    fills or late fills, never both) and has its own ``count``.
+    compute of this call waits for (``K`` entries of their own, like ``plan``).
     """
 
     plan: "FillPlan"
@@ -375,15 +377,22 @@ def decide_reference(
         fill = torch.where(keeps_cpu(fill.sum(), miss.sum(), rate, split), fill, miss)
         rn[1] += miss.sum().float()
         layer_missed.copy_(torch.where(used, miss.to(torch.int8), layer_missed))
+    cpu = miss & ~fill
     if split.late_fill and S > 0:
-        # A call that fills none of its misses by Eq. 4 and every rule fills them late.
+        # A call that fills none of its misses by Eq. 4 and every rule fills them late;
+        # with late_all, every other CPU run the admission rule admits (all without it) too.
         late_call = (fill.sum() == 0) & (fill_count(miss.sum().int(), split) == 0)
         late = miss & late_call
+        if split.late_all:
+            late = late | (cpu & reused if split.admit_reuse else cpu)
     else:
         late = torch.zeros_like(miss)
-    cpu = miss & ~fill
-    fill = fill | late  # a slot for each: the late ones are copied after the call
-    rank = torch.cumsum(fill.int(), 0) - 1
+    # a slot for each: the call's own fills take the first victims, the late ones the next
+    q_own = fill.sum()
+    rank = torch.where(fill, torch.cumsum(fill.int(), 0) - 1,
+                       q_own + torch.cumsum(late.int(), 0) - 1)
+    own = fill
+    fill = fill | late
 
     # The K least recently used slots, oldest first (keys are unique).
     cand = torch.topk(state.key, min(K, S), largest=False, sorted=True).indices
@@ -407,14 +416,18 @@ def decide_reference(
     state.key.copy_(key_ext[:S])
     layer_last.copy_(torch.where(used, now, layer_last))
 
-    # Fill list: compact the filled misses to the front, in expert order.
-    pos = torch.where(fill, rank, K).long()
-    src = torch.zeros(K + 1, dtype=torch.int32, device=device)
-    dst = torch.zeros(K + 1, dtype=torch.int32, device=device)
-    src.index_copy_(0, pos, flat)
-    dst.index_copy_(0, pos, victim)
+    # Fill lists: compact the call's own fills, and apart the late ones, in expert order.
+    def compact(which, first):
+        pos = torch.where(which, rank - first, K).long()
+        src = torch.zeros(K + 1, dtype=torch.int32, device=device)
+        dst = torch.zeros(K + 1, dtype=torch.int32, device=device)
+        src.index_copy_(0, pos, flat)
+        dst.index_copy_(0, pos, victim)
+        return src[:K], dst[:K]
+
+    src, dst = compact(own, 0)
     n_late = late.sum()
-    count = (fill.sum() - n_late).int().reshape(1)
+    count = q_own.int().reshape(1)
     state.late += n_late
 
     counters[:, ordinal] += torch.stack(
@@ -439,7 +452,8 @@ def decide_reference(
     work.rows[:n] = (idx // k).int()
     work.experts[:n] = (topk_ids.reshape(-1)[idx] + base).int()
     work.weights[:n] = topk_weights.reshape(-1)[idx].float() * weight_scale
-    late_plan = (FillPlan(src=src[:K], dst=dst[:K], count=n_late.int().reshape(1))
-                 if split.late_fill else None)
-    return LayerDecision(FillPlan(src=src[:K], dst=dst[:K], count=count), routed, work,
-                         late_plan)
+    late_plan = None
+    if split.late_fill:
+        late_src, late_dst = compact(late, q_own)
+        late_plan = FillPlan(src=late_src, dst=late_dst, count=n_late.int().reshape(1))
+    return LayerDecision(FillPlan(src=src, dst=dst, count=count), routed, work, late_plan)

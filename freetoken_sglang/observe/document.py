@@ -89,7 +89,8 @@ def stats_document(rt) -> Dict[str, object]:
     out["admission"] = "reuse" if rt.policy is not None and rt.policy.admission else "off"
     out["fill_reused"] = "on" if rt.policy is not None and rt.policy.fill_reused else "off"
     out["return_rule"] = "on" if rt.policy is not None and rt.policy.return_rule else "off"
-    out["late_fill"] = "on" if rt.policy is not None and rt.policy.late_fill else "off"
+    out["late_fill"] = ("off" if rt.policy is None or not rt.policy.late_fill
+                        else "all" if rt.policy.late_all else "on")
     if rt.choice is not None:
         out["prefill_mode"] = {
             "mode": rt.choice.prefill,
