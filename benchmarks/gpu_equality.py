@@ -175,7 +175,9 @@ def main():
               # stream joined by the last MoE layer): reported like qstar's; a slot read
               # before its late fill landed would show as garbage tokens from the first miss.
               # Give --bandwidth with B_P/B_H under 1/2, e.g. 30,100, or no call fills late.
-              "late_fill": {"freetoken_miss_policy": "qstar", "freetoken_late_fill": "on"}}
+              "late_fill": {"freetoken_miss_policy": "qstar", "freetoken_late_fill": "on"},
+              # ... of every CPU run (any --bandwidth)
+              "late_fill_all": {"freetoken_miss_policy": "qstar", "freetoken_late_fill": "all"}}
     for name in [c for c in a.prefill_checks.split(",") if c]:
         if name not in checks:
             raise SystemExit(f"--prefill-checks: unknown {name!r} (choose from {', '.join(checks)})")

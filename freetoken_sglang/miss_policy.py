@@ -57,14 +57,15 @@ returns (Session 28: the bs1 loss). With the late fill, a call whose split fills
 misses runs them all on the CPU and fills them *after* the call: the copies go on a side
 stream beside the GPU's work on the next layers, no compute of the step waits for them, and the
 step's last MoE layer joins them. The call pays the CPU branch, the cache still learns the
-expert. Only calls with no fill of their own fill late (with B_P / B_H near 1/3: one miss), so
-the late copies of a step add at most one expert per MoE layer to the link, never more than
-``fill`` would have moved in those calls. q* drops the paper's at-least-one fill (its reason,
+expert. In this form (``on``) only calls with no fill of their own fill late (with B_P / B_H
+near 1/3: one miss), so at bs1 the late copies of a step add at most one expert per MoE layer
+to the link, never more than ``fill`` would have moved in those calls. q* drops the paper's at-least-one fill (its reason,
 that the cache learns, is met by the late fill). Combines with the admission and re-miss
 rules, not with the return rule (which weighs the later fills the late fill removes).
 Measured (benchmarks/RESULTS.md, Session 29): no bs1 gain, because the CPU runs of calls that
 do fill are still left out of the cache and miss again. ``--freetoken-late-fill all`` fills
-those late too (the ones the admission rule admits, where it is on): the cache then learns
+those late too (of those, the ones the admission rule admits, where it is on; a call that
+fills none of its misses still fills them all late, as under ``on``): the cache then learns
 every miss as under ``fill`` (every admitted one), while each call waits only for its own q*
 fills and CPU runs; the late copies share the link with later calls' fills. Not measured yet.
 

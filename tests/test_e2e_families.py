@@ -167,6 +167,9 @@ POLICIES = {
     # the CPU and are filled after their call
     "qstar-late": ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "5,50",
                    "--freetoken-late-fill", "on"],
+    # ... and of every other CPU run, those the admission rule admits (all)
+    "qstar-lateall": ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40",
+                      "--freetoken-admission", "reuse", "--freetoken-late-fill", "all"],
     # streamed prefill with half of each layer's non-resident experts on the C executor
     "fill-prefillcpu": ["--freetoken-miss-policy", "fill", "--freetoken-prefill-cpu", "0.5"],
     # ... with the balance rule: B_P = B_H / 2 from the flag, g measured at start
@@ -256,7 +259,7 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
     for variant, flags in POLICIES.items():
         if (variant == "qstar-admit" and family not in ADMIT_FAMILIES
                 or variant == "qstar-remiss" and family not in REMISS_FAMILIES
-                or variant == "qstar-late" and family not in LATE_FAMILIES
+                or variant in ("qstar-late", "qstar-lateall") and family not in LATE_FAMILIES
                 or variant == "fill-prefillcpu" and family not in PREFILL_CPU_FAMILIES
                 or variant == "fill-prefillauto" and family not in PREFILL_AUTO_FAMILIES):
             continue  # (CI time) the rules are family-independent decision code
@@ -271,10 +274,12 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
         # the cache really served: a quarter of the pool, misses served as the policy says
         total = stats["total"]
         assert stats["miss_policy"] == policy
-        assert stats["admission"] == ("reuse" if variant == "qstar-admit" else "off")
+        assert stats["admission"] == ("reuse" if variant in ("qstar-admit", "qstar-lateall")
+                                      else "off")
         assert stats["fill_reused"] == ("on" if variant == "qstar-remiss" else "off")
-        assert stats["late_fill"] == ("on" if variant == "qstar-late" else "off")
-        assert (stats["cache"]["late_fills"] > 0) == (variant == "qstar-late")
+        assert stats["late_fill"] == {"qstar-late": "on", "qstar-lateall": "all"}.get(variant,
+                                                                                     "off")
+        assert (stats["cache"]["late_fills"] > 0) == (variant in ("qstar-late", "qstar-lateall"))
         assert stats["cache"]["slots"] == stats["pool"]["experts"] // 4
         assert stats["cache"]["layout"] == "stream"
         buffers = "reserved" if variant == "qstar" else "borrowed"
@@ -310,7 +315,7 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
             assert total["fills"] > 0 and total["cpu"] > 0
             assert stats["bandwidth"]["ratio"] == 0.5
             assert (stats["bandwidth"]["F_P_us"], stats["bandwidth"]["F_H_us"]) == (0, 0)
-        elif variant in ("qstar-admit", "qstar-remiss", "qstar-late"):
+        elif variant in ("qstar-admit", "qstar-remiss", "qstar-late", "qstar-lateall"):
             assert total["fills"] > 0 and total["cpu"] > 0
             assert stats["bandwidth"]["F_P_us"] is None  # the flag gave no fixed costs
         else:

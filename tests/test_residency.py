@@ -597,7 +597,10 @@ def test_triton_kernel_matches_the_torch_reference(seed):
             assert getattr(db.cpu, f)[:c].tolist() == getattr(da.cpu, f)[:c].tolist()
         assert torch.allclose(db.cpu.weights[:c], da.cpu.weights[:c])
         if split.late_fill:
-            assert int(db.late.count) == int(da.late.count)
+            nl = int(da.late.count)
+            assert int(db.late.count) == nl
+            assert db.late.src[:nl].tolist() == da.late.src[:nl].tolist()
+            assert db.late.dst[:nl].tolist() == da.late.dst[:nl].tolist()
         for name in ("residency", "owner", "key", "clock", "last_use", "missed", "returns",
                      "late"):
             assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
