@@ -119,10 +119,9 @@ class LateFills:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
     def join(self) -> None:
-        """Make the current stream wait for every late fill launched so far."""
-        if self._held:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-            self._held.clear()
+        """Make the current stream wait for every late fill launched so far, and forget them."""
+        self.wait()
+        self._held.clear()
 
 
 def row_runs(pairs) -> list:
