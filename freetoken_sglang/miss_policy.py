@@ -219,6 +219,8 @@ class MissPolicy:
         f_p, f_h = self.fixed_us
         fewest = next((m for m in range(1, 129) if self.cpu_count(m) > 0), None)
         when = (f"the first CPU expert at {fewest} misses in a layer call"
-                if fewest else "every miss filled: the CPU branch never ends first")
+                if fewest else "every admitted miss filled: the CPU branch never ends first; "
+                "the misses the admission rule does not admit run on the CPU"
+                if self.admission else "every miss filled: the CPU branch never ends first")
         return text + (f"; fixed costs F_P {f_p:.1f} us, F_H {f_h:.1f} us: lone-miss rule, "
                        f"{when})")

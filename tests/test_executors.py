@@ -479,3 +479,34 @@ def test_amx_on_a_pool_without_tiles_is_refused_at_start(monkeypatch):
                                                 cpu_threads=1, cpu_isa="amx"))
     with pytest.raises(RefusedError, match="AMX tiles need dense BF16 experts .* fp32"):
         FreeTokenRuntime._start_cpu_side(rt, 16)
+
+
+@pytest.mark.parametrize("b_h", [10.0, 40.0])
+def test_decode_runs_the_admission_rules_cpu_misses_at_any_bandwidth_ratio(b_h, published):
+    """q* with the admission rule sends the misses it does not admit to the CPU whatever q*
+    is, also where B_H <= B_P makes Eq. 4 fill every miss (``fill_ratio`` >= 1): the decode
+    executor runs and merges them, and masks them in the GPU MoE (Session 30 found it did
+    neither there: the outputs lost those experts, and on CUDA the -1 ids reached SGLang's
+    kernel without ``filter_expert``). Every call equals stock, and CPU items ran."""
+    from freetoken_sglang.cpu.branch import CpuBranch
+    from freetoken_sglang.cpu.executor import CpuExpertExecutor
+    from freetoken_sglang.execute.decode import DecodeExecutor
+    from freetoken_sglang.miss_policy import MissPolicy
+
+    rt, pool, layers = _runtime(num_slots=E + 4)
+    policy = MissPolicy("qstar", (20.0, b_h), admission=True)
+    counters = torch.zeros(5, L, dtype=torch.int64)
+    rt.split_for = policy.split_for
+    rt.is_decode_sized = lambda rows: True
+    rt.counters = SimpleNamespace(of_phase=lambda phase: counters)
+    with CpuExpertExecutor(pool.banks, num_threads=2) as cpu:
+        rt.cpu_branch = CpuBranch(cpu, "cpu", H, K, torch.float32)
+        ex = DecodeExecutor(rt)
+        for s in range(6 * L):
+            T = 1 + s % 3
+            call = _call(layers[s % L], s % L, T, 500 + s)
+            rt.num_valid.fill_(T)
+            torch.testing.assert_close(ex.run(call), _stock(call), rtol=1e-4, atol=1e-4,
+                                       msg=lambda m, s=s: f"call {s}: {m}")
+        assert rt.cpu_branch.calls > 0 and int(counters[4].sum()) > 0
+        _assert_slots_hold_their_owners(rt, pool)

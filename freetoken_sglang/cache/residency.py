@@ -82,6 +82,14 @@ class MissSplit:
     late_fill: bool = False
     late_all: bool = False
 
+    @property
+    def may_run_cpu(self) -> bool:
+        """Whether a call's misses may run on the CPU: q < m for some m (``fill_ratio < 1``),
+        or the admission rule, which sends every miss it does not admit there whatever q is
+        (also where ``B_H <= B_P`` makes ``fill_ratio >= 1``). The executor launches and
+        merges the CPU branch, and masks the CPU entries in the GPU MoE, exactly when true."""
+        return self.fill_ratio < 1.0 or self.admit_reuse
+
 
 FILL_ALL = MissSplit(1.0, 0)
 

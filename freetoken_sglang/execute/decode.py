@@ -43,7 +43,7 @@ class DecodeExecutor:
         cache = rt.cache
         x = call.x
         split = rt.split_for(call.rows)
-        on_cpu = split.fill_ratio < 1.0  # some misses may run on the CPU
+        on_cpu = split.may_run_cpu  # some misses may run on the CPU (admission: at any ratio)
         phase = "decode" if rt.is_decode_sized(call.rows) else "prefill"
         decision = decide(
             cache.residency,
