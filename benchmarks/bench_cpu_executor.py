@@ -48,7 +48,8 @@ def parse_args():
     p.add_argument("--stream-passes", type=int, default=5, help="timed full-pool reads")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=768, help="moe_intermediate_size")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=sorted(DTYPES) + list(QUANT), default="bf16",
+                   help="expert weights: dense, or a quantized format (random codes)")
     p.add_argument(
         "--isa", default="auto",
         help="kernel path (auto, portable, avx2, avx512, avx512_bf16, amx, amx_emulated)"
@@ -106,13 +107,56 @@ class BusyProcesses:
             proc.join()
 
 
+QUANT = ("fp8_block", "mxfp4", "nvfp4")
+FP8_BLOCK = [128, 128]
+
+
+def _quant_banks(fmt, n, hidden, inter):
+    """Random codes and scales of a quantized pool in the executor's layouts
+    (``CpuExpertExecutor``): FP8 e4m3 with 128x128 fp32 block scales, or packed e2m1 with e8m0
+    scales per 32 (MXFP4) or e4m3 scales per 16 and fp32 global scales (NVFP4); no NaN."""
+    up = 2 * inter
+    if fmt == "fp8_block":
+        bn, bk = FP8_BLOCK
+        banks = {"w13_weight": torch.empty(n, up, hidden, dtype=torch.float8_e4m3fn),
+                 "w2_weight": torch.empty(n, hidden, inter, dtype=torch.float8_e4m3fn)}
+        for b in banks.values():  # in slabs: no fp32 copy of the whole pool
+            for i in range(0, n, 64):
+                b[i:i + 64] = torch.empty(b[i:i + 64].shape).uniform_(-400, 400)
+        banks["w13_weight_scale_inv"] = torch.rand(n, -(-up // bn), -(-hidden // bk)) * 1e-4
+        banks["w2_weight_scale_inv"] = torch.rand(n, -(-hidden // bn), -(-inter // bk)) * 1e-4
+        return banks
+    group = 32 if fmt == "mxfp4" else 16
+    banks = {"w13_weight": torch.randint(0, 256, (n, up, hidden // 2), dtype=torch.uint8),
+             "w2_weight": torch.randint(0, 256, (n, hidden, inter // 2), dtype=torch.uint8)}
+    if fmt == "mxfp4":
+        banks["w13_weight_scale"] = torch.randint(118, 124, (n, up, hidden // group),
+                                                  dtype=torch.uint8)
+        banks["w2_weight_scale"] = torch.randint(118, 124, (n, hidden, inter // group),
+                                                 dtype=torch.uint8)
+    else:
+        banks["w13_weight_scale"] = torch.empty(n, up, hidden // group).uniform_(
+            0.5, 2).to(torch.float8_e4m3fn)
+        banks["w2_weight_scale"] = torch.empty(n, hidden, inter // group).uniform_(
+            0.5, 2).to(torch.float8_e4m3fn)
+        banks["w13_weight_scale_2"] = torch.full((n, 2), 1e-2)
+        banks["w2_weight_scale_2"] = torch.full((n,), 1e-2)
+    return banks
+
+
 def build_pool(args):
-    dtype = DTYPES[args.dtype]
-    esz = torch.empty((), dtype=dtype).element_size()
-    expert_bytes = 3 * args.hidden * args.inter * esz
+    if args.dtype in QUANT:
+        one = _quant_banks(args.dtype, 1, args.hidden, args.inter)
+        expert_bytes = sum(b.numel() * b.element_size() for b in one.values())
+    else:
+        dtype = DTYPES[args.dtype]
+        esz = torch.empty((), dtype=dtype).element_size()
+        expert_bytes = 3 * args.hidden * args.inter * esz
     n = int(args.pool_gb * (1 << 30)) // expert_bytes
     if n < 8:
         raise SystemExit(f"--pool-gb {args.pool_gb} holds {n} experts; need at least 8")
+    if args.dtype in QUANT:
+        return _quant_banks(args.dtype, n, args.hidden, args.inter), n, expert_bytes
     banks = {
         "w13_weight": torch.empty(n, 2 * args.inter, args.hidden, dtype=dtype),
         "w2_weight": torch.empty(n, args.hidden, args.inter, dtype=dtype),
@@ -208,7 +252,8 @@ def main():
         "scenarios": [],
     }
     with CpuExpertExecutor(
-        banks, num_threads=args.threads, isa=args.isa, spin_us=args.spin_us
+        banks, num_threads=args.threads, isa=args.isa, spin_us=args.spin_us,
+        block_shape=FP8_BLOCK if args.dtype == "fp8_block" else None,
     ) as ex:
         results["threads"] = ex.num_threads
         results["busy_cpus"] = args.busy_cpus
