@@ -1,8 +1,9 @@
 """Benchmark: the C expert executor's effective bandwidth vs a STREAM-like read of the pool.
 
 Builds a host expert pool of the given size (default: the Qwen3-30B-A3B expert shape, hidden
-2048, moe_intermediate 768, BF16, 9.4 MiB per expert), then measures in one run, with one
-thread pool:
+2048, moe_intermediate 768, BF16, 9.4 MiB per expert; ``--dtype fp8_block|mxfp4|nvfp4``: random
+codes and scales of that format in the executor's layouts, scales counted in the bytes), then
+measures in one run, with one thread pool:
 
 - ``stream``: every compute thread reads its share of the whole pool once per pass (plain
   SIMD loads and integer adds, no arithmetic on the weights): the machine's read bandwidth;

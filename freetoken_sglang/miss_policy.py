@@ -16,7 +16,8 @@ lone CPU expert can cost more than its fill. With the paper's own branch times (
 ``c = m - q`` CPU experts only if ``T_cpu(c) < T_fill(m)``, i.e. the CPU branch ends before
 filling all ``m`` would; otherwise all ``m`` are filled. ``S`` is one expert's bytes; every
 term is measured (``bandwidth.py``), none tuned. Where ``B_H <= B_P`` the CPU has no residual
-bandwidth and every miss is filled, as Eq. 4 degenerates.
+bandwidth and every miss is filled, as Eq. 4 degenerates (but for the misses the admission rule
+below does not admit: those run on the CPU at any B_P / B_H).
 
 The re-miss rule (``--freetoken-fill-reused on``, off by default; beyond the paper):
 an expert the CPU served is not in the cache, so when its routing repeats it misses again,
@@ -67,7 +68,9 @@ do fill are still left out of the cache and miss again. ``--freetoken-late-fill 
 those late too (of those, the ones the admission rule admits, where it is on; a call that
 fills none of its misses still fills them all late, as under ``on``): the cache then learns
 every miss as under ``fill`` (every admitted one), while each call waits only for its own q*
-fills and CPU runs; the late copies share the link with later calls' fills. Not measured yet.
+fills and CPU runs; the late copies share the link with later calls' fills. Measured
+(Session 30, trained routing): no bs1 gain either (0.96-0.99 of ``fill``); with the admission
+rule it wins bs4 at 50% (1.41x ``fill``) and loses bs1 at 10% (0.59x admission alone).
 
 Layer calls over more than ``SPLIT_MAX_TOKENS`` rows that reach the LRU (prefill chunks that
 do not stream, ``execute/choice.py``) fill every miss in all

@@ -495,6 +495,7 @@ def test_decode_runs_the_admission_rules_cpu_misses_at_any_bandwidth_ratio(b_h, 
 
     rt, pool, layers = _runtime(num_slots=E + 4)
     policy = MissPolicy("qstar", (20.0, b_h), admission=True)
+    assert (policy.decode_split.fill_ratio >= 1) == (b_h < 20.0)  # B_H <= B_P: Eq. 4 fills all
     counters = torch.zeros(5, L, dtype=torch.int64)
     rt.split_for = policy.split_for
     rt.is_decode_sized = lambda rows: True

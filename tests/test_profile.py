@@ -85,6 +85,12 @@ def test_miss_policies():
     assert MissPolicy("qstar", (55.0, 110.0), admission=True).decode_split == MissSplit(
         0.5, 1, admit_reuse=True)
     assert "admission rule" in MissPolicy("qstar", (55.0, 110.0), admission=True).describe()
+    # where B_H <= B_P Eq. 4 fills every miss, but the admission rule's rejects still run on
+    # the CPU, and the log says so
+    slow_cpu = MissPolicy("qstar", (40.0, 20.0), (10.0, 1.0), 9 << 20, admission=True)
+    assert slow_cpu.cpu_count(8) == 0 and slow_cpu.decode_split.may_run_cpu
+    assert "the admission rule does not admit run on the CPU" in slow_cpu.describe()
+    assert not MissPolicy("qstar", (40.0, 20.0), (10.0, 1.0), 9 << 20).decode_split.may_run_cpu
     with pytest.raises(ValueError, match="needs the qstar miss policy"):
         MissPolicy("fill", admission=True)
     remiss = MissPolicy("qstar", (55.0, 110.0), fill_reused=True)

@@ -1,3 +1,4 @@
+# python benchmarks/results/dev-2026-12-06-s30/bit_identical.py OUT.pt with each build (the old one: PYTHONPATH=<checkout of 0447feb, its executor built>), then compare the two files (bit_identical.out)
 import torch, sys
 sys.path.insert(0, "benchmarks")  # run from the repository root
 from bench_cpu_executor import _quant_banks
