@@ -229,8 +229,11 @@ class FreeTokenConfig:
             type=_choice("doorbell", "host-node"),
             help="How the GPU hands a decode layer call's CPU experts to the C executor (qstar "
             "and cpu on a GPU; the prefill CPU share always uses host-function nodes): doorbell "
-            "(default) writes them into mapped host memory for a polling thread, and a call without CPU experts costs two kernels that return at "
-            "once; host-node runs a CUDA host-function node on every layer call.",
+            "(default) writes them into mapped host memory for a polling thread, from the decision "
+            "kernel, and the MoE's sum awaits their partial, so a call without CPU experts "
+            "launches no extra kernel (a MoE not ending in SGLang's general sum, e.g. top-2 at "
+            "scale 1: one merge kernel that returns at once); host-node runs a CUDA host-function node on every layer "
+            "call.",
         ),
     )
     bandwidth: Optional[tuple] = field(

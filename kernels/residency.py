@@ -1,7 +1,9 @@
 """Triton kernel of the device-side cache decision (``freetoken_sglang.cache.residency.decide`` on
 CUDA): one program de-duplicates a layer call's routed experts, classifies them against the
 residency table, splits the misses between fills and CPU execution (q*, paper §3.2), picks an
-LRU victim for each fill, and writes the fill plan and the CPU work items (paper §4.1).
+LRU victim for each fill, and writes the fill plan and the CPU work items (paper §4.1). Given a
+doorbell target (``decide(post=)``), the same program posts a call with CPU items to the CPU
+branch (``kernels/doorbell.py``): the items, x's rows, the count, then the ring.
 
 One launch per layer call, no host sync, fixed shapes: decode CUDA graphs capture it. A
 slot's LRU key is ``stamp * S + slot``, so the least recently used slot is simply the
@@ -27,6 +29,7 @@ from freetoken_sglang.cache.residency import (
     fill_count_after,
     max_unique_experts,
 )
+from freetoken_sglang.kernels.doorbell import DoorbellPost, _post_tail, check_post
 
 # Routed entries per step of the decision program's loops, and its warps: one warp over
 # 32 entries took 5.65-5.71 us per all-hit call on the H200 at bs1 and bs4, against
@@ -36,6 +39,9 @@ from freetoken_sglang.cache.residency import (
 DECIDE_BLOCK = 32
 DECIDE_WARPS = 1
 _SLOT_BLOCK = 1024
+# The most x elements per step of the doorbell post's copy in the decision program (one warp:
+# 64 a thread; other sizes not measured); a step copies within one row
+POST_BLOCK = 2048
 
 
 @triton.jit
@@ -76,6 +82,18 @@ def _decide_kernel(
     late_dst_ptr,  # int32 [K] out (the late fill)
     late_count_ptr,  # int32 [1] out (the late fill)
     late_total_ptr,  # int64 [1] (the late fill)
+    x_ptr,  # [T, H] layer input (the doorbell post)
+    x_stride,
+    n_rows,  # T
+    hidden,  # H
+    seq_ptr,  # int64 [1] device sequence counter (the doorbell post)
+    hx_ptr,  # mapped host buffers (UVA): x [max_rows, H], the items, count, n_rows, ring
+    hrows_ptr,
+    hexperts_ptr,
+    hweights_ptr,
+    hcount_ptr,
+    hnrows_ptr,
+    ring_ptr,
     E_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
     SLOT_BLOCK: tl.constexpr,
@@ -84,6 +102,9 @@ def _decide_kernel(
     RETURN: tl.constexpr,  # the return rule (MissSplit.return_rule)
     LATE: tl.constexpr,  # the late fill (MissSplit.late_fill)
     LATE_ALL: tl.constexpr,  # ... of every admitted CPU run (MissSplit.late_all)
+    POST: tl.constexpr,  # post a call with CPU items to the doorbell (decide(post=))
+    POST_BLOCK: tl.constexpr,  # x elements per step of the post's copy (a row's at most)
+    POST_FENCE: tl.constexpr,  # the post's fence over this many elements: every thread
 ):
     e = tl.arange(0, E_PAD)
     nv = tl.load(num_valid_ptr)
@@ -241,11 +262,24 @@ def _decide_kernel(
         emiti = emit.to(tl.int32)
         pos = n_items + tl.cumsum(emiti, axis=0) - 1
         w = tl.load(weights_ptr + offs, mask=emit, other=0.0).to(tl.float32)
-        tl.store(cpu_rows_ptr + pos, offs // top_k, mask=emit)
-        tl.store(cpu_experts_ptr + pos, base + ids.to(tl.int32), mask=emit)
-        tl.store(cpu_weights_ptr + pos, w * weight_scale, mask=emit)
+        item_row = offs // top_k
+        item_expert = base + ids.to(tl.int32)
+        item_weight = w * weight_scale
+        tl.store(cpu_rows_ptr + pos, item_row, mask=emit)
+        tl.store(cpu_experts_ptr + pos, item_expert, mask=emit)
+        tl.store(cpu_weights_ptr + pos, item_weight, mask=emit)
+        if POST:  # the items straight into host memory too (none on a call without)
+            tl.store(hrows_ptr + pos, item_row, mask=emit)
+            tl.store(hexperts_ptr + pos, item_expert, mask=emit)
+            tl.store(hweights_ptr + pos, item_weight, mask=emit)
         n_items += tl.sum(emiti, axis=0)
     tl.store(cpu_count_ptr, n_items)
+    if POST:
+        # One program: the count is final here, and every item store above precedes the
+        # post's fence in the thread that made it.
+        if n_items > 0:
+            _post_tail(x_ptr, x_stride, n_rows, hidden, hx_ptr, hcount_ptr, hnrows_ptr,
+                       seq_ptr, ring_ptr, n_items, POST_BLOCK, POST_FENCE)
     # Atomic adds: no read back, so the program does not wait on five load round trips.
     c = counters_ptr + ordinal
     tl.atomic_add(c, (n_hit + n_miss).to(tl.int64))
@@ -304,9 +338,20 @@ def decide_triton(
     num_valid: torch.Tensor,
     split: MissSplit = FILL_ALL,
     weight_scale: float = 1.0,
+    post: "DoorbellPost | None" = None,
 ) -> LayerDecision:
     """``freetoken_sglang.cache.residency.decide`` in one kernel launch (same arguments and
-    results). Works on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``."""
+    results). Works on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
+
+    With ``post`` the program also posts the call's CPU work to the doorbell when it has
+    some: the items into ``post.host`` as it writes them, then x's T rows, the count, T,
+    ``seq + 1`` and, after a system fence, the ring (``kernels/doorbell.py``); a call without
+    CPU items writes none of them.
+
+    Raises:
+        ValueError: ``post.x`` is not ``[T, H]`` with rows of stride 1, or ``post.x`` and the
+            ``T * k`` items do not fit ``post.host``.
+    """
     t, k = topk_ids.shape
     E = num_experts
     K = max_unique_experts(t, k, E)
@@ -324,6 +369,19 @@ def decide_triton(
         weights=torch.empty(t * k, dtype=torch.float32, device=device),
         count=torch.empty(1, **i32),
     )
+    if post is not None:
+        check_post(post.x, t * k, post.host)
+        if post.x.shape[0] != t:
+            raise ValueError(f"decide: the doorbell post's x has {post.x.shape[0]} rows, the "
+                             f"routing {t}")
+        x, host = post.x, post.host
+        post_args = (x, x.stride(0), t, x.shape[1], post.seq, host["x"], host["rows"],
+                     host["experts"], host["weights"], host["count"], host["n_rows"],
+                     host["ring"])
+        post_block = min(POST_BLOCK, triton.next_power_of_2(x.shape[1]))
+    else:  # (unused: POST is off)
+        post_args = (weights, 0, 0, 0, state.clock) + (plan.count,) * 7
+        post_block = 1
     late_on = bool(split.late_fill) and state.num_slots > 0
     late = (FillPlan(src=torch.empty(K, **i32), dst=torch.empty(K, **i32),
                      count=torch.zeros(1, **i32)) if split.late_fill else None)
@@ -364,6 +422,7 @@ def decide_triton(
         late.dst if late is not None else plan.dst,
         late.count if late is not None else plan.count,
         state.late,
+        *post_args,
         E_PAD=triton.next_power_of_2(E),
         BLOCK=DECIDE_BLOCK,
         SLOT_BLOCK=_SLOT_BLOCK,
@@ -372,6 +431,9 @@ def decide_triton(
         RETURN=bool(split.return_rule) and state.num_slots > 0,
         LATE=late_on,
         LATE_ALL=late_on and bool(split.late_all),
+        POST=post is not None,
+        POST_BLOCK=post_block,
+        POST_FENCE=32 * DECIDE_WARPS,
         num_warps=DECIDE_WARPS,
         enable_fp_fusion=False,  # the return rule's fp32 sums round as the reference's
     )

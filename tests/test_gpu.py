@@ -517,70 +517,141 @@ def test_cpu_branch_host_function_in_a_cuda_graph():
         torch.testing.assert_close(res.cpu(), want2)
 
 
-def test_cpu_branch_doorbell_runs_only_with_cpu_items():
-    """The doorbell branch (the default): eagerly and replayed from a captured graph, a call
-    with CPU items is served once and its partial merged exactly (fp32, and into bf16 as
-    ``add_`` rounds); a call without items is not served and leaves the output untouched."""
-    from freetoken_sglang.cpu.branch import CpuBranch
-    from freetoken_sglang.cpu.executor import CpuExpertExecutor
-    from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
-    from freetoken_sglang.cache.residency import CpuWork
+@pytest.mark.parametrize("top_k", [4, 2])
+def test_cpu_branch_doorbell_runs_only_with_cpu_items(top_k, published_server_args):
+    """The doorbell branch through the decode executor (one layer, experts 0-3 resident, every
+    miss on the CPU): eagerly and replayed from a captured graph, calls with and without CPU
+    items alternating, the decision kernel posts (the thread serves, the ring moves) only on
+    calls with items, and the output is exact. With items: at top-4 SGLang's own expert
+    outputs (its ``intermediate_cache3``, captured) summed in fp32, plus the executor's fp32
+    partial, rounded once (the merge folded into our sum, ``CpuBranch.merging_reduce``); at
+    top-2 (where, at scale 1, SGLang adds the two outputs itself) SGLang's output plus the
+    partial (the separate merge kernel); with ``fold`` off (the separate kernels) the latter
+    form too. Without items: exactly SGLang's own output (at top-4 our sum against
+    SGLang's, fp32 in another order: equal unless a sum is inexact in fp32 and that changes
+    its bf16 rounding)."""
+    from types import SimpleNamespace
 
-    H, I, k, T = 2048, 128, 2, 3
-    pool = HostExpertPool([0], 8, bank_specs_for_layer(H, I, torch.bfloat16))
+    from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
+    from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe as sgl_fused_moe
+
+    from freetoken_sglang.cache.residency import MissSplit, ResidencyState
+    from freetoken_sglang.cpu.branch import _SGLANG_REDUCES, CpuBranch
+    from freetoken_sglang.cpu.executor import CpuExpertExecutor
+    from freetoken_sglang.execute.contract import LayerCall
+    from freetoken_sglang.execute.decode import DecodeExecutor
+    from freetoken_sglang.execute.slot_moe import run_on_slots_triton
+    from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
+
+    E, H, I, T, k, bf16 = 8, 2048, 128, 3, top_k, torch.bfloat16
+    torch.manual_seed(k)
+    pool = HostExpertPool([0], E, bank_specs_for_layer(H, I, bf16))
     for bank in pool.banks.values():
         bank.copy_((torch.randn(bank.shape) * 0.05).to(bank.dtype))
+    slots = {n: b.cuda() for n, b in pool.banks.items()}  # slot e holds expert e
+    state = ResidencyState(E, E, "cuda")
+    state.make_all_resident()
+    state.residency[4:E] = -1  # experts 4-7 miss (no fill under MissSplit(0, 0))
+    state.owner[4:E] = -1
+    cfg = MoeRunnerConfig(num_experts=E, num_local_experts=E, hidden_size=H,
+                          intermediate_size_per_partition=I, top_k=k, params_dtype=bf16,
+                          activation="silu", inplace=False)
+    layer = SimpleNamespace(moe_runner_config=cfg, w13_weight=pool.layer_rows("w13_weight", 0),
+                            w2_weight=pool.layer_rows("w2_weight", 0))
+    x = torch.zeros(T, H, device="cuda", dtype=bf16)
+    ids = torch.zeros(T, k, device="cuda", dtype=torch.int32)
+    w = torch.zeros(T, k, device="cuda")
+    call = LayerCall(layer=layer, ordinal=0, x=x, topk_weights=w, topk_ids=ids, topk_output=None)
+    counters = torch.zeros(5, 1, dtype=torch.int64, device="cuda")
+
+    def route(with_items, seed):
+        g = torch.Generator().manual_seed(seed)
+        while True:
+            r = torch.stack([torch.randperm(E if with_items else 4, generator=g)[:k]
+                             for _ in range(T)])
+            if bool((r >= 4).any()) == with_items:
+                break
+        ids.copy_(r)
+        w.copy_(torch.rand(T, k, generator=g))
+        x.copy_(torch.randn(T, H, generator=g).to(bf16))
+
     with CpuExpertExecutor(pool.banks, num_threads=4) as ex:
-        branch = CpuBranch(ex, torch.device("cuda"), H, k, torch.bfloat16, max_rows=4)
-        assert branch.mode == "doorbell" and branch.doorbell is not None
+        branch = CpuBranch(ex, torch.device("cuda"), H, k, bf16, max_rows=4)
+        assert branch.mode == "doorbell" and branch.fold
+        rt = SimpleNamespace(
+            cache=SimpleNamespace(residency=state, num_experts=E, slot_banks=slots,
+                                  late=SimpleNamespace(pending=False),
+                                  filler=SimpleNamespace(run=lambda plan: None)),
+            split_for=lambda rows: MissSplit(0.0, 0), is_decode_sized=lambda rows: True,
+            counters=SimpleNamespace(of_phase=lambda phase: counters),
+            num_valid=torch.tensor([T], dtype=torch.int32, device="cuda"), cpu_branch=branch)
+        executor = DecodeExecutor(rt)
+
+        def expected(folded):
+            """What the executor must return for the current routing, and its item count."""
+            saved = {n: getattr(sgl_fused_moe, n) for n in _SGLANG_REDUCES
+                     if hasattr(sgl_fused_moe, n)}
+            seen = []
+
+            def spy(name):
+                def reduce(expert_out, out, scale):
+                    seen.append((expert_out.clone(), scale))
+                    return saved[name](expert_out, out, scale)
+                return reduce
+
+            for name in saved:
+                setattr(sgl_fused_moe, name, spy(name))
+            try:  # SGLang's own MoE over the GPU entries
+                own = run_on_slots_triton(layer, x, w, torch.where(ids >= 4, -1, ids),
+                                          state.layer_slots(0, E), slots,
+                                          skip_negative_ids=True)
+            finally:
+                for name, fn in saved.items():
+                    setattr(sgl_fused_moe, name, fn)
+            assert len(seen) == (1 if k > 2 else 0)  # top-2 at scale 1: SGLang's own add
+            r, c = (ids >= 4).cpu().nonzero(as_tuple=True)  # row-major, as the kernel emits
+            partial = torch.zeros(T, H)
+            if r.numel():
+                ex.run(x.cpu(), r.int(), ids.cpu()[r, c], w.cpu()[r, c], partial)
+            else:
+                return own.cpu(), 0
+            if folded and seen:
+                expert_out, scale = seen[0]
+                acc = expert_out[:, 0].float()
+                for j in range(1, k):
+                    acc = acc + expert_out[:, j].float()
+                return (acc * scale).cpu().add_(partial).to(bf16), r.numel()
+            return own.float().cpu().add_(partial).to(bf16), r.numel()
+
+        ring = lambda: int(branch.hdr_host[0])  # noqa: E731
         try:
-            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-            work = CpuWork(
-                rows=torch.tensor([0, 2, 2, 0, 0, 0], dtype=torch.int32, device="cuda"),
-                experts=torch.tensor([5, 1, 7, 0, 0, 0], dtype=torch.int32, device="cuda"),
-                weights=torch.tensor([0.5, 0.25, 1.0, 0, 0, 0], device="cuda"),
-                count=torch.tensor([3], dtype=torch.int32, device="cuda"),
-            )
-
-            def want_of(x):
-                want = torch.zeros(T, H, dtype=torch.float32)
-                ex.run(x.cpu(), work.rows[:3].cpu(), work.experts[:3].cpu(),
-                       work.weights[:3].cpu(), want)
-                return want
-
-            base = torch.randn(T, H, device="cuda", dtype=torch.float32)
-            branch.launch(x, work)
-            got = branch.merge(base.clone())
-            torch.cuda.synchronize()
-            torch.testing.assert_close(got.cpu(), base.cpu() + want_of(x), rtol=0, atol=0)
-            assert branch.doorbell.served == 1
-            work.count.zero_()
-            branch.launch(x, work)
-            got = branch.merge(base.clone())
-            torch.cuda.synchronize()
-            assert torch.equal(got, base) and branch.doorbell.served == 1
-            # captured into a graph, into a bf16 output; replays alternate with and without items
+            served = 0
+            for step, (with_items, fold) in enumerate([(True, True), (False, True),
+                                                       (True, False), (False, False)]):
+                branch.fold = fold
+                route(with_items, step)
+                got = executor.run(call)
+                torch.cuda.synchronize()
+                want, n = expected(fold)
+                assert (n > 0) == with_items
+                assert torch.equal(got.cpu(), want), (step, with_items, fold)
+                served += with_items
+                assert branch.doorbell.served == served and ring() == served == int(branch.seq_dev)
+            branch.fold = True
             g = torch.cuda.CUDAGraph()
-            static = torch.zeros(T, H, device="cuda", dtype=torch.bfloat16)
             with torch.cuda.graph(g):
-                branch.launch(x, work)
-                branch.merge(static)
-            served = branch.doorbell.served
-            for i in range(40):
+                static = executor.run(call)
+            for i in range(12):
                 with_items = i % 3 != 1
-                work.count.fill_(3 if with_items else 0)
-                x.copy_(torch.randn(T, H, device="cuda", dtype=torch.bfloat16))
-                start = torch.randn(T, H, device="cuda").to(torch.bfloat16)
-                static.copy_(start)
+                route(with_items, 100 + i)
                 g.replay()
                 torch.cuda.synchronize()
-                if with_items:
-                    served += 1
-                    want = start.float().cpu().add_(want_of(x)).to(torch.bfloat16)
-                    assert torch.equal(static.cpu(), want), i
-                else:
-                    assert torch.equal(static, start), i
-                assert branch.doorbell.served == served, i
+                want, n = expected(True)
+                assert (n > 0) == with_items
+                assert torch.equal(static.cpu(), want), i
+                served += with_items
+                assert branch.doorbell.served == served and ring() == served, i
+            assert int(counters[4].sum()) > 0 and int(counters[2].sum()) == 0
             branch.check()
         finally:
             branch.close()

@@ -238,6 +238,7 @@ def decide(
     num_valid: torch.Tensor,
     split: MissSplit = FILL_ALL,
     weight_scale: float = 1.0,
+    post=None,
 ) -> LayerDecision:
     """Classify one MoE layer call's routed experts as hits or misses, split the misses between
     cache fills and CPU execution, choose LRU victims for the fills, and update the state.
@@ -253,6 +254,8 @@ def decide(
         num_valid: int [1] number of real rows (the rest is graph padding).
         split: how misses are served (fill every miss for prefill).
         weight_scale: the layer's routed scaling factor, folded into the CPU items' weights.
+        post: a ``kernels.doorbell.DoorbellPost`` (CUDA only): the decision kernel also posts
+            a call with CPU items to the doorbell CPU branch (``CpuBranch.post_target``).
 
     Returns:
         A LayerDecision: the fills (``K = max_unique_experts(T, k, E)`` entries), the routed
@@ -262,14 +265,19 @@ def decide(
     On CUDA this is one single-program Triton kernel (``kernels/residency.py``); elsewhere
     the torch reference below. Both give identical results. The cache must have
     ``S >= K`` slots (the executor choice, ``execute/choice.py``, sends larger calls elsewhere).
+
+    Raises:
+        ValueError: ``post`` off CUDA, or one that does not fit (``decide_triton``).
     """
     if topk_ids.is_cuda:
         from freetoken_sglang.kernels.residency import decide_triton
 
         return decide_triton(
             state, counters, ordinal, num_experts, topk_ids, topk_weights, num_valid,
-            split, weight_scale,
+            split, weight_scale, post,
         )
+    if post is not None:
+        raise ValueError("decide: a doorbell post needs the decision kernel (CUDA tensors)")
     return decide_reference(
         state, counters, ordinal, num_experts, topk_ids, topk_weights, num_valid,
         split, weight_scale,

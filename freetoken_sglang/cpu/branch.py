@@ -2,11 +2,17 @@
 the GPU serves hits and fills, then merge the two partial outputs (paper §3.2, §4.1).
 
 On CUDA, two mechanisms (``mode``); neither runs Python per step, so CUDA graphs capture them:
-- ``doorbell`` (the default): a kernel writes the activations and the work items into mapped
-  pinned memory and rings a doorbell there; a serving thread (``cpu.executor.Doorbell``) runs
-  the C executor and writes the fp32 partial back into mapped memory; the merge kernel waits
-  for it and adds it. A layer call without CPU items costs two kernels that return at once
-  (``kernels/doorbell.py``).
+- ``doorbell`` (the default): the activations and the work items go into mapped pinned
+  memory and a doorbell there is rung; a serving thread (``cpu.executor.Doorbell``) runs the C
+  executor and writes the fp32 partial back into mapped memory, which the GPU awaits and adds
+  (``kernels/doorbell.py``). Both ends are folded into kernels the layer call runs anyway
+  (``fold``): the decision kernel posts (``post_target``, ``residency.decide(post=)``), and
+  the MoE's sum over top-k, ours in place of SGLang's sum-reduce (``merging_reduce``), awaits
+  the partial and adds it before its one rounding; each only on a call with CPU items, so a
+  call without costs no kernel beyond the fill policy's. Where the MoE does not end in
+  SGLang's general sum-reduce (top-k <= 2 at scale 1, its fused all-reduce sum, FreeToken's
+  own FP4 kernels), ``merge`` launches a separate merge kernel, which returns at once
+  without items.
 - ``host-node``: the inputs are copied to pinned host buffers on the compute stream, a side
   stream calls ``ft_cpu_moe_run`` through ``cuLaunchHostFunc``, copies the partial back, and
   the compute stream waits for it before the merge; it runs on every layer call.
@@ -16,6 +22,7 @@ CPU item.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from typing import Dict, Optional
 
@@ -24,6 +31,12 @@ import torch
 from freetoken_sglang.cache.residency import CpuWork
 
 _libcuda = None
+
+#: SGLang 0.5.17's sum-reduce functions that ``_fused_moe_kernel_sequence`` calls by module
+#: global (``moe_runner/triton_utils/fused_moe.py``), all ``(expert_out [T, k, H], out [T, H],
+#: routed_scaling_factor)``: on CUDA the torch.compile'd one at <= 32 rows and sgl_kernel's
+#: above, elsewhere its Triton kernel
+_SGLANG_REDUCES = ("moe_sum_reduce_torch_compile", "moe_sum_reduce", "moe_sum_reduce_triton")
 
 
 def _launch_host_func(stream: int, fn: int, data: int) -> None:
@@ -52,6 +65,11 @@ class CpuBranch:
             size, and never move (captured graphs hold their addresses).
         mode: ``doorbell`` or ``host-node`` (CUDA only; see the module docstring).
 
+    Attribute ``fold`` (True): the doorbell's post and merge run inside the decision kernel
+    and the MoE's sum; False runs them as kernels of their own (``kernels/doorbell.py``
+    ``post``, ``wait_merge``), as before they were folded: for A/B measurements
+    (``benchmarks/bench_layer_overhead.py``).
+
     Raises:
         ValueError: an unknown ``mode``.
     """
@@ -72,6 +90,8 @@ class CpuBranch:
             raise ValueError(f"CpuBranch mode must be one of {self.MODES}, got {mode!r}")
         self.mode = mode
         self.doorbell = None
+        self.fold = True
+        self._folded = False  # the pending call's partial was merged by the MoE's sum
         self.calls = 0  # CPU-device runs of the executor (tests: skipped without items)
         self.closed = False
         self.executor = executor
@@ -91,14 +111,16 @@ class CpuBranch:
             if mode == "doorbell":
                 self._start_doorbell(max_rows)
 
-    def _start_doorbell(self, rows: int) -> None:
+    def _start_doorbell(self, rows: int, mapped: bool = True) -> None:
+        """The doorbell's buffers and serving thread; ``mapped=False`` (Triton's interpreter,
+        tests) keeps the host buffers unpinned and passes them as their own aliases."""
         from freetoken_sglang.cpu.executor import Doorbell
         from freetoken_sglang.experts.pool import HostExpertPool
 
-        uva = HostExpertPool._uva_view
+        uva = HostExpertPool._uva_view if mapped else (lambda t: t)
         # int64 words: ring [0] and done [8] on lines of their own; n_rows [16] and status
         # [20] (int32), both written by the GPU, share one
-        self.hdr_host = torch.zeros(24, dtype=torch.int64, device="cpu", pin_memory=True)
+        self.hdr_host = torch.zeros(24, dtype=torch.int64, device="cpu", pin_memory=mapped)
         self.nrows_host = self.hdr_host[16:17].view(torch.int32)[:1]
         self.seq_dev = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.status_host = self.hdr_host[20:21].view(torch.int32)[:1]  # set by the merge kernel
@@ -129,9 +151,9 @@ class CpuBranch:
             self.doorbell = None
             self.closed = True
 
-    def _allocate(self, rows: int) -> None:
+    def _allocate(self, rows: int, pin: bool = True) -> None:
         H, n = self.hidden_size, rows * self.top_k
-        pinned = dict(device="cpu", pin_memory=True)
+        pinned = dict(device="cpu", pin_memory=pin)
         self.x_host = torch.empty(rows, H, dtype=self.act_dtype, **pinned)
         self.rows_host = torch.zeros(n, dtype=torch.int32, **pinned)
         self.experts_host = torch.zeros(n, dtype=torch.int32, **pinned)
@@ -158,12 +180,47 @@ class CpuBranch:
             self.tasks[rows] = task
         return task
 
-    def launch(self, x: torch.Tensor, work: CpuWork) -> None:
+    def _check_call(self, x: torch.Tensor) -> None:
+        if x.shape[0] > self.max_rows:
+            raise RuntimeError(
+                f"FreeToken CPU branch: a layer call of {x.shape[0]} rows, more than the "
+                f"{self.max_rows} rows its buffers were sized for at start"
+            )
+        if self.closed:
+            raise RuntimeError("FreeToken CPU branch: used after close()")
+
+    def post_target(self, x: torch.Tensor):
+        """Where the decision kernel posts this call's CPU work (``residency.decide(post=)``,
+        then ``launch(..., posted=True)``), or None where it does not: not the doorbell mode
+        on CUDA, or ``fold`` off.
+
+        Args:
+            x: ``[T, H]`` layer input.
+
+        Returns:
+            A ``kernels.doorbell.DoorbellPost`` or None.
+
+        Raises:
+            RuntimeError: more rows than ``max_rows``, or the branch is closed.
+        """
+        if self.device.type != "cuda" or self.mode != "doorbell" or not self.fold:
+            return None
+        self._check_call(x)
+        from freetoken_sglang.kernels.doorbell import DoorbellPost
+
+        return DoorbellPost(x, self.seq_dev, self._uva)
+
+    def launch(self, x: torch.Tensor, work: CpuWork, posted: bool = False) -> None:
         """Start the CPU work of one layer call; ``merge`` collects it.
 
         Args:
             x: ``[T, H]`` layer input (copied before the GPU path may overwrite it in place).
             work: the call's CPU work items (``residency.decide``).
+            posted: the decision kernel has posted them (``post_target``): nothing to launch.
+
+        Raises:
+            RuntimeError: more rows than ``max_rows``, the branch is closed, or ``posted``
+                off the doorbell mode.
         """
         if self.device.type != "cuda":
             n = int(work.count)
@@ -174,18 +231,15 @@ class CpuBranch:
             self._partial = out
             return
         rows = x.shape[0]
-        if rows > self.max_rows:
-            raise RuntimeError(
-                f"FreeToken CPU branch: a layer call of {rows} rows, more than the "
-                f"{self.max_rows} rows its buffers were sized for at start"
-            )
-        if self.closed:
-            raise RuntimeError("FreeToken CPU branch: used after close()")
+        self._check_call(x)
+        if posted and self.doorbell is None:
+            raise RuntimeError("FreeToken CPU branch: a posted call outside the doorbell mode")
         if self.doorbell is not None:
-            from freetoken_sglang.kernels import doorbell
+            if not posted:
+                from freetoken_sglang.kernels import doorbell
 
-            doorbell.post(x, work.rows, work.experts, work.weights, work.count, self.seq_dev,
-                          self._uva)
+                doorbell.post(x, work.rows, work.experts, work.weights, work.count,
+                              self.seq_dev, self._uva)
             self._count = work.count
             return
         n = work.rows.numel()
@@ -205,9 +259,49 @@ class CpuBranch:
         self._done.record(self.stream)
         self._partial = self.out_dev[:rows]
 
+    @contextlib.contextmanager
+    def merging_reduce(self):
+        """Run the layer's GPU MoE inside this: for a doorbell call launched with ``fold`` on,
+        the first SGLang sum-reduce it calls (``_SGLANG_REDUCES``, module globals of SGLang's
+        ``fused_moe.py``, swapped for the duration) is ``kernels.doorbell.reduce_merge``,
+        which also awaits and adds the CPU partial (one kernel in place of SGLang's; ``merge``
+        then launches nothing); any later one runs as SGLang's. Otherwise it changes nothing.
+        Python-level only (capture-safe): the kernels a graph records are decided here."""
+        if self._count is None or not self.fold or self.doorbell is None:
+            yield
+            return
+        from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe as sgl_fused_moe
+
+        from freetoken_sglang.kernels import doorbell
+
+        saved = {n: getattr(sgl_fused_moe, n) for n in _SGLANG_REDUCES
+                 if hasattr(sgl_fused_moe, n)}
+
+        def replacing(name):
+            def reduce(expert_out, out, scale):
+                if self._count is None:  # merged already: SGLang's own sum
+                    return saved[name](expert_out, out, scale)
+                doorbell.reduce_merge(expert_out, out, scale, self._count, self.seq_dev,
+                                      self._uva["done"], self._uva["out"], self._uva["status"])
+                self._count = None
+                self._folded = True
+            return reduce
+
+        for name in saved:
+            setattr(sgl_fused_moe, name, replacing(name))
+        try:
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(sgl_fused_moe, name, fn)
+
     def merge(self, gpu_out: torch.Tensor) -> torch.Tensor:
         """Add the CPU partial (fp32 ``[T, H]``) to ``gpu_out`` (``[T, H]``, the layer dtype)
-        in place, computing in fp32; returns ``gpu_out``."""
+        in place, computing in fp32 (nothing where the MoE's sum merged it,
+        ``merging_reduce``); returns ``gpu_out``."""
+        if self._folded:
+            self._folded = False
+            return gpu_out
         if self._count is not None:
             from freetoken_sglang.kernels import doorbell
 

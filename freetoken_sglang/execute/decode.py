@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from freetoken_sglang.cache.residency import decide
@@ -44,6 +46,9 @@ class DecodeExecutor:
         x = call.x
         split = rt.split_for(call.rows)
         on_cpu = split.may_run_cpu  # some misses may run on the CPU (admission: at any ratio)
+        branch = rt.cpu_branch if on_cpu else None
+        # the doorbell: the decision kernel posts the CPU work itself (CpuBranch.fold)
+        post = branch.post_target(x) if on_cpu else None
         phase = "decode" if rt.is_decode_sized(call.rows) else "prefill"
         decision = decide(
             cache.residency,
@@ -55,9 +60,10 @@ class DecodeExecutor:
             rt.num_valid,
             split,
             routed_scale(call.layer, x),
+            post=post,
         )
-        if on_cpu:
-            rt.cpu_branch.launch(x, decision.cpu)  # copies x before the GPU may overwrite it
+        if on_cpu:  # x is copied (or posted) before the GPU may overwrite it
+            branch.launch(x, decision.cpu, posted=post is not None)
         if cache.late.pending and not _late_slots_kept(cache, call):
             # A forward that can stamp every other slot after a late fill may choose its slot
             # as a victim again: this call's fills then wait for the late copies (same link).
@@ -65,13 +71,15 @@ class DecodeExecutor:
         cache.filler.run(decision.plan)
         if decision.late is not None:  # the late fill: after this call, not waited for
             cache.late.launch(decision.late)
-        out = run_on_slots(
-            call,
-            decision.routed_ids,
-            cache.residency.layer_slots(call.ordinal, cache.num_experts),
-            cache,
-            skip_negative_ids=on_cpu,
-        )
+        # with the doorbell, the MoE's sum over top-k awaits and merges the CPU partial
+        with branch.merging_reduce() if on_cpu else contextlib.nullcontext():
+            out = run_on_slots(
+                call,
+                decision.routed_ids,
+                cache.residency.layer_slots(call.ordinal, cache.num_experts),
+                cache,
+                skip_negative_ids=on_cpu,
+            )
         if on_cpu:
-            out = rt.cpu_branch.merge(out)
+            out = branch.merge(out)  # nothing left to launch where the sum merged it
         return out
