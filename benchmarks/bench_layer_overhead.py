@@ -16,6 +16,11 @@ resident, slots, lru) the excess over stock SGLang's ``fused_experts`` on the la
   fill, the remap kernel alone;
 - ``lru``: the decode executor's whole all-hit call under the fill policy (decide, fill,
   slots);
+- ``qstar``: ``DecodeExecutor.run``'s whole all-hit call under q* with the admission rule
+  (``MissSplit.may_run_cpu``: CPU entries masked, ``filter_expert``) and the doorbell CPU
+  branch, which has no CPU item to run: its post and merge folded into the decision kernel
+  and the MoE's sum (``CpuBranch.fold``); ``qstar-sep``: the same with the post and the
+  merge as kernels of their own, as before they were folded (the A/B of that change);
 - ``decide@BxW`` (``--decide-configs``): the decision kernel with loops of B routed entries
   and W warps;
 - ``decide-miss`` (and ``decide-miss@BxW``): the decision kernel when every routed expert
@@ -91,6 +96,8 @@ def main(argv=None) -> int:
                          "(e.g. 16x1,16x4,64x1)")
     ap.add_argument("--miss-slots", type=int, default=256,
                     help="slots of the all-miss decision variant (fewer than --calls x top-k)")
+    ap.add_argument("--variants", default="",
+                    help="time only these variants (comma-separated names of the table)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
@@ -99,8 +106,13 @@ def main(argv=None) -> int:
     from sglang.srt.layers.moe.topk import StandardTopKOutput
     from types import SimpleNamespace
 
-    from freetoken_sglang.cache.residency import ResidencyState, decide
+    from freetoken_sglang.cache.residency import MissSplit, ResidencyState, decide
+    from freetoken_sglang.cpu.branch import CpuBranch
+    from freetoken_sglang.cpu.executor import CpuExpertExecutor
+    from freetoken_sglang.execute.contract import LayerCall
+    from freetoken_sglang.execute.decode import DecodeExecutor
     from freetoken_sglang.execute.slot_moe import run_on_slots_triton
+    from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
     from freetoken_sglang.kernels.fill import copy_rows_banks
     from freetoken_sglang.kernels import residency as residency_kernels
     from freetoken_sglang.kernels.residency import remap_expert_ids_
@@ -127,6 +139,22 @@ def main(argv=None) -> int:
     cfg = MoeRunnerConfig(num_experts=E, num_local_experts=E, hidden_size=H,
                           intermediate_size_per_partition=I, top_k=k, params_dtype=bf16,
                           activation="silu", inplace=False)
+    # q*'s CPU branch (doorbell) over a small host pool: an all-hit call gives it no item
+    host_pool = HostExpertPool([0], 8, bank_specs_for_layer(H, I, bf16))
+    cpu_executor = CpuExpertExecutor(host_pool.banks, num_threads=2)
+    branch = CpuBranch(cpu_executor, torch.device(dev), H, k, bf16, max_rows=max_t)
+    names = list(slots)
+    cache = SimpleNamespace(
+        residency=state, num_experts=E, slot_banks=slots, late=SimpleNamespace(pending=False),
+        filler=SimpleNamespace(run=lambda plan: copy_rows_banks(
+            [slots[n] for n in names], [slots[n] for n in names], plan.src, plan.dst,
+            plan.count)))
+    qstar_split = MissSplit(0.5, 1, admit_reuse=True)
+    assert qstar_split.may_run_cpu
+    runtime = SimpleNamespace(cache=cache, split_for=lambda rows: qstar_split,
+                              is_decode_sized=lambda rows: True, cpu_branch=branch,
+                              counters=SimpleNamespace(of_phase=lambda phase: counters))
+    executor = DecodeExecutor(runtime)
     rows = {}
     for T in (int(x) for x in a.batch_sizes.split(",")):
         x = torch.randn(T, H, device=dev, dtype=bf16)
@@ -140,7 +168,13 @@ def main(argv=None) -> int:
         expert_ids = torch.randint(0, E, (max(64, T * k * 4),), device=dev, dtype=torch.int32)
         src = torch.zeros(E, dtype=torch.int32, device=dev)
         count = torch.zeros(1, dtype=torch.int32, device=dev)
-        names = list(slots)
+        runtime.num_valid = num_valid
+        calls = [LayerCall(layer=layers[o], ordinal=o, x=x, topk_weights=w, topk_ids=ids,
+                           topk_output=topk) for o in range(L)]
+
+        def qstar(i, fold=True):
+            branch.fold = fold
+            executor.run(calls[i % L])
 
         def lru(i):
             o = i % L
@@ -161,11 +195,18 @@ def main(argv=None) -> int:
                                               [slots[n] for n in names], src, src, count),
             "remap": lambda i: remap_expert_ids_(expert_ids, state.layer_slots(i % L, E)),
             "lru": lru,
+            "qstar": qstar,
+            "qstar-sep": lambda i: qstar(i, fold=False),
             "decide-miss": lambda i: decide(miss_state, miss_counters, i % LM, E, ids, w,
                                             num_valid),
         }
+        only = [v for v in a.variants.split(",") if v]
+        unknown = sorted(set(only) - set(variants))
+        if unknown:
+            ap.error(f"unknown variants {unknown}; choose from {sorted(variants)}")
         miss_counters.zero_()
-        got = {name: per_call_us(fn, a.calls, a.reps) for name, fn in variants.items()}
+        got = {name: per_call_us(fn, a.calls, a.reps) for name, fn in variants.items()
+               if not only or name in only}
         for conf in (x for x in a.decide_configs.split(",") if x):
             block, warps = (int(v) for v in conf.split("x"))
             kern = residency_kernels
@@ -178,19 +219,26 @@ def main(argv=None) -> int:
             finally:
                 kern.DECIDE_BLOCK, kern.DECIDE_WARPS = default
         reads, hits = int(miss_counters[0].sum()), int(miss_counters[1].sum())
-        assert reads > 0 and hits == 0, f"bs{T}: the all-miss variant hit {hits} of {reads} reads"
+        assert hits == 0 and (reads > 0 or "decide-miss" not in got), \
+            f"bs{T}: the all-miss variant hit {hits} of {reads} reads"
         rows[T] = got
         print(json.dumps({"batch": T, **{n: round(v, 2) for n, v in got.items()}}), flush=True)
     assert int(counters[2].sum()) == 0, "an all-hit benchmark filled experts"
+    assert int(counters[4].sum()) == 0 and branch.doorbell.served == 0, \
+        "an all-hit benchmark ran experts on the CPU"
+    branch.close()
+    cpu_executor.close()
     with open(a.out, "w") as f:
         json.dump({"args": vars(a), "us_per_layer_call": rows,
                    "device": torch.cuda.get_device_name()}, f, indent=1)
-    whole = ("stock", "resident", "slots", "lru")  # whole MoE calls: their excess over stock
+    # whole MoE calls: their excess over stock
+    whole = ("stock", "resident", "slots", "lru", "qstar", "qstar-sep")
     print("| path | " + " | ".join(f"bs{T} us/call | bs{T} over stock" for T in rows) + " |")
     print("|---|" + "---:|---:|" * len(rows))
     for name in rows[next(iter(rows))]:
         cells = [f"{rows[T][name]:.2f} | " + (f"{rows[T][name] - rows[T]['stock']:+.2f}"
-                                              if name in whole else "-") for T in rows]
+                                              if name in whole and "stock" in rows[T] else "-")
+                 for T in rows]
         print(f"| {name} | " + " | ".join(cells) + " |")
     return 0
 
