@@ -1,5 +1,6 @@
-"""Triton kernel of the device-side cache decision (``freetoken_sglang.cache.residency.decide`` on
-CUDA): one program de-duplicates a layer call's routed experts, classifies them against the
+"""The device-side cache decision on CUDA (``cache.residency.decide``) in one Triton program.
+
+One program de-duplicates a layer call's routed experts, classifies them against the
 residency table, splits the misses between fills and CPU execution (q*, paper §3.2), picks an
 LRU victim for each fill, and writes the fill plan and the CPU work items (paper §4.1). Given a
 doorbell target (``decide(post=)``), the same program posts a call with CPU items to the CPU

@@ -1,5 +1,7 @@
-"""The CPU branch of a MoE layer call: run its CPU-executed experts with the C executor while
-the GPU serves hits and fills, then merge the two partial outputs (paper §3.2, §4.1).
+"""The CPU branch of a MoE layer call: its CPU experts on the C executor, merged with the GPU's.
+
+The C executor runs them while the GPU serves hits and fills; the two partial outputs are then
+merged (paper §3.2, §4.1).
 
 On CUDA, two mechanisms (``mode``); neither runs Python per step, so CUDA graphs capture them:
 - ``doorbell`` (the default): the activations and the work items go into mapped pinned
