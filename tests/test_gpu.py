@@ -338,7 +338,8 @@ def test_fp4_slots_match_sglang_over_the_dequantized_experts(label, num_tokens, 
     """FP4 slots (execute/slot_moe.py's dequantized path): the call's distinct experts are
     dequantized from random slots and SGLang's unquantized Triton sequence runs over them.
     One pass: bit-identical to SGLang's ``fused_experts`` over the dequantized layer; several
-    passes (a small pass budget): equal within bf16 rounding of the summed partials.
+    passes (a small pass budget): equal within bf16 rounding of the summed partials. The
+    direct kernels (``kernels/fp4_moe.py``) on the same calls: within 2 bf16 ulps of it.
     ``test_fp4_slots_interpreter.py`` runs one case in Triton's interpreter."""
     from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
 
@@ -356,6 +357,7 @@ def check_fp4_slots(label, num_tokens, device, fused_experts, monkeypatch):
     from freetoken_sglang.execute import slot_moe
     from freetoken_sglang.experts.formats import FORMATS
 
+    monkeypatch.setattr(slot_moe, "DIRECT_FP4_MAX_PAIRS", 0)  # the dequantized path only
     torch.manual_seed(num_tokens)
     fmt = FORMATS[label]
     E, H, I, k, S = 16, 256, 128, 4, 40
@@ -417,12 +419,167 @@ def check_fp4_slots(label, num_tokens, device, fused_experts, monkeypatch):
         x.clone(), w13, w2, StandardTopKOutput(weights.masked_fill(drop, 0), ids, logits), cfg,
         b1=banks.get("w13_weight_bias"), b2=banks.get("w2_weight_bias"))
     torch.testing.assert_close(partial, want_partial, rtol=2e-2, atol=2e-2)
+    # The direct kernels (kernels/fp4_moe.py, any T*k here): SGLang's rounding points over
+    # the same dequantized weights, another fp32 accumulation order (and on the GPU, other
+    # approximations of exp in the activation)
+    ulps = 3 if device == "cuda" else 1
+    monkeypatch.setattr(slot_moe, "DIRECT_FP4_MAX_PAIRS", 1 << 30)
+    monkeypatch.setattr(slot_moe, "_run_dequantized", None)  # fails if dispatched there
+    got = slot_moe.run_on_slots_triton(layer, x.clone(), weights, ids, perm, slots)
+    assert_within_bf16_ulps(got, want, ulps, "the direct kernels' accumulation order")
+    partial = slot_moe.run_on_slots_triton(layer, x.clone(), weights, ids.masked_fill(drop, -1),
+                                           perm, slots, skip_negative_ids=True)
+    assert_within_bf16_ulps(partial, want_partial, ulps, "the direct kernels, -1 entries")
 
 
-def test_fp4_slots_in_a_cuda_graph(published_server_args):
-    """The FP4 path captured in a CUDA graph (as decode graphs capture it) and replayed with
-    other routed ids, -1 entries and unread experts whose slot is -1: equal to the eager call
-    on the same inputs."""
+def fp4_case(label, num_tokens, device, k=4, seed=0, dtype=torch.bfloat16, **config):
+    """A small FP4 MoE call over slots, for the direct kernels' checks: ``label`` "mxfp4"
+    (GPT-OSS: biases, SwiGLU with alpha 1.702 and limit 7, interleaved gate/up) or "nvfp4"
+    (silu, routed_scaling_factor 1.5), ``config`` overriding ``MoeRunnerConfig`` fields;
+    odd-ish H and I, experts in random slots of a larger bank, entry [0, 1] at -1 (served
+    elsewhere). Returns a namespace: ``layer``, ``x`` (``dtype``), ``weights``, ``ids``,
+    ``layer_slots``, ``slots`` (the banks), ``fmt``."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
+
+    from freetoken_sglang.experts.formats import FORMATS
+
+    g = torch.Generator().manual_seed(seed * 100 + num_tokens)
+    E, S, (H, I) = 8, 11, ((160, 96) if label == "mxfp4" else (144, 80))
+    u8 = lambda *shape: torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    rand = lambda *shape: torch.rand(*shape, generator=g)
+    slots = {"w13_weight": u8(S, 2 * I, H // 2), "w2_weight": u8(S, H, I // 2)}
+    if label == "mxfp4":
+        for p, (r, c) in (("w13", (2 * I, H)), ("w2", (H, I))):
+            slots[f"{p}_weight_scale"] = torch.randint(118, 124, (S, r, c // 32),
+                                                       dtype=torch.uint8, generator=g)
+            slots[f"{p}_weight_bias"] = torch.randn(S, r, generator=g).to(torch.bfloat16)
+        extra = dict(gemm1_alpha=1.702, gemm1_clamp_limit=7.0)
+    else:
+        for p, (r, c) in (("w13", (2 * I, H)), ("w2", (H, I))):
+            slots[f"{p}_weight_scale"] = (rand(S, r, c // 16) * 0.5 + 0.05).to(
+                torch.float8_e4m3fn)
+        slots["w13_weight_scale_2"] = rand(S, 2) * 0.1 + 0.01
+        slots["w2_weight_scale_2"] = rand(S) * 0.1 + 0.01
+        extra = dict(routed_scaling_factor=1.5)
+    fmt = FORMATS[label]
+    cfg = MoeRunnerConfig(
+        num_experts=E, num_local_experts=E, hidden_size=H, intermediate_size_per_partition=I,
+        top_k=k, params_dtype=dtype, activation="silu", inplace=False, **{**extra, **config})
+    layer = SimpleNamespace(
+        moe_runner_config=cfg, w13_weight=torch.empty(E, 2 * I, H // 2, dtype=torch.uint8),
+        w2_weight=torch.empty(E, H, I // 2, dtype=torch.uint8),
+        quant_method=SimpleNamespace(format=fmt, base_method=None, triton_quant=fmt.triton(None)))
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(num_tokens)]).int()
+    ids[0, 1] = -1
+    case = SimpleNamespace(
+        fmt=fmt, layer=layer, x=torch.randn(num_tokens, H, generator=g).to(dtype),
+        weights=rand(num_tokens, k), ids=ids,
+        layer_slots=torch.randperm(S, generator=g)[:E].int(), slots=slots)
+    for name in ("x", "weights", "ids", "layer_slots"):
+        setattr(case, name, getattr(case, name).to(device))
+    case.slots = {n: b.to(device) for n, b in slots.items()}
+    return case
+
+
+def fp4_reference(case):
+    """float64 reference of the call, from the definitions: the experts dequantized by the
+    format's own ``dequantize`` (to the activation dtype, as the GPU path reads them), GEMM1
+    + bias (times the router weight if on input) rounded to the dtype, the activation (GPT-OSS
+    SwiGLU, silu * up, or silu clamped * up) rounded, each expert's GEMM2 + bias times its
+    router weight rounded, their sum times routed_scaling_factor rounded: SGLang's rounding
+    points. -1 entries contribute nothing."""
+    cfg = case.layer.moe_runner_config
+    dtype = case.x.dtype
+    banks = {n: b.cpu() for n, b in case.slots.items()}
+    w13, w2 = (w.double() for w in case.fmt.dequantize(None, banks, dtype))
+    b13, b2 = (banks[n].double() if n in banks else None
+               for n in ("w13_weight_bias", "w2_weight_bias"))
+    rnd = lambda v: v.to(dtype).double()
+    x, weights, ids = case.x.cpu().double(), case.weights.cpu().double(), case.ids.cpu()
+    slot_of = case.layer_slots.cpu()
+    I, limit = w2.shape[2], cfg.gemm1_clamp_limit
+    on_input = cfg.apply_router_weight_on_input
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            if ids[t, j] < 0:
+                continue
+            s = int(slot_of[ids[t, j]])
+            h = w13[s] @ x[t] + (b13[s] if b13 is not None else 0)
+            h = rnd(h * weights[t, j] if on_input else h)
+            interleaved = cfg.gemm1_alpha is not None and cfg.gate_up_interleaved
+            gate, up = (h[0::2], h[1::2]) if interleaved else (h[:I], h[I:])
+            if cfg.gemm1_alpha is not None:  # swiglu_gpt_oss_sigmoid_alpha (or not interleaved)
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+                a = gate * torch.sigmoid(gate * cfg.gemm1_alpha) * (up + 1)
+            elif limit is not None:  # _swiglu_silu_clamp_mul
+                a = torch.nn.functional.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
+            else:  # silu_and_mul
+                a = torch.nn.functional.silu(gate) * up
+            y = w2[s] @ rnd(a) + (b2[s] if b2 is not None else 0)
+            out[t] += rnd(y if on_input else y * weights[t, j])
+    return rnd(out * (cfg.routed_scaling_factor or 1.0))
+
+
+def assert_within_bf16_ulps(got, want, ulps, why):
+    """|got - want| <= ulps bf16 ulps of |want| elementwise, and of max |want| / 8 near zero
+    (where the sum cancels, the rounding errors are those of the k expert outputs)."""
+    got, want = got.double().cpu(), want.double().cpu()
+    floor = want.abs().max() / 8
+    ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp(min=floor))) - 7)
+    worst = ((got - want).abs() / ulp).max().item()
+    assert worst <= ulps, f"{worst:.2f} bf16 ulps apart (at most {ulps}: {why})"
+
+
+@pytest.mark.parametrize("label", ["mxfp4", "nvfp4"])
+def test_fp4_direct_kernels_match_the_dequantized_path(label, monkeypatch,
+                                                      published_server_args):
+    """The direct FP4 kernels (``kernels/fp4_moe.py``, what ``run_on_slots_triton`` runs for
+    T*k <= ``DIRECT_FP4_MAX_PAIRS``) against the dequantized path (``_run_dequantized``:
+    SGLang's kernels over the dequantized experts), eager (T = 1, 3, 8, a -1 entry) and
+    replayed from a captured CUDA graph with other routing: within 3 bf16 ulps of it and 2 of
+    the float64 reference of the definitions (the same rounding points; only the fp32
+    accumulation order and exp's approximation differ; Triton's interpreter, where both
+    paths compute exactly, finds them bit-identical: ``test_fp4_slots_interpreter.py``)."""
+    from freetoken_sglang.execute import slot_moe
+
+    def call(c, direct, x=None, inplace=None):
+        monkeypatch.setattr(slot_moe, "DIRECT_FP4_MAX_PAIRS", 32 if direct else 0)
+        return slot_moe.run_on_slots_triton(c.layer, c.x if x is None else x, c.weights,
+                                            c.ids, c.layer_slots, c.slots,
+                                            skip_negative_ids=True, inplace=inplace)
+
+    for T in (1, 3, 8):
+        c = fp4_case(label, T, "cuda")
+        got, want = call(c, True), call(c, False)
+        assert_within_bf16_ulps(got, want, 3, "the direct kernels' accumulation order")
+        assert_within_bf16_ulps(got, fp4_reference(c), 2, "fp32 against float64 sums")
+        xi = c.x.clone()  # in place: written into the activations
+        out = call(c, True, x=xi, inplace=True)
+        assert out.data_ptr() == xi.data_ptr() and torch.equal(out, got)
+    for direct in (True, False):  # captured: other routed ids, weights and x per replay
+        c = fp4_case(label, 3, "cuda")
+        call(c, direct)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call(c, direct)
+        for seed in (1, 2):
+            other = fp4_case(label, 3, "cuda", seed=seed)
+            for name in ("x", "weights", "ids", "layer_slots"):
+                getattr(c, name).copy_(getattr(other, name))
+            graph.replay()
+            assert torch.equal(out, call(c, direct))  # the replay is the eager call
+            assert_within_bf16_ulps(out, fp4_reference(c), 2, "fp32 against float64 sums")
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_fp4_slots_in_a_cuda_graph(direct, monkeypatch, published_server_args):
+    """The FP4 paths (direct kernels, T*k within ``DIRECT_FP4_MAX_PAIRS``, and dequantized)
+    captured in a CUDA graph (as decode graphs capture them) and replayed with other routed
+    ids, -1 entries and unread experts whose slot is -1: equal to the eager call on the same
+    inputs."""
     from types import SimpleNamespace
 
     from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
@@ -430,6 +587,8 @@ def test_fp4_slots_in_a_cuda_graph(published_server_args):
     from freetoken_sglang.execute import slot_moe
     from freetoken_sglang.experts.formats import FORMATS
 
+    if not direct:
+        monkeypatch.setattr(slot_moe, "DIRECT_FP4_MAX_PAIRS", 0)
     torch.manual_seed(0)
     fmt = FORMATS["nvfp4"]
     E, H, I, k, S, T = 16, 256, 128, 4, 24, 3

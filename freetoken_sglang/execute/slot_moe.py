@@ -7,9 +7,13 @@ E local expert ids, exactly as stock SGLang computes it (same blocks, same kerne
 and only the per-block expert ids are rewritten to slot ids before the two grouped GEMMs.
 On the CPU it is SGLang's ``moe_forward_native`` over the slot banks (quantized slots
 dequantized first by their format's definition, ``experts/formats.py``). FP8 passes its
-scales and flags to the same Triton kernels as stock SGLang's runner does; FP4 formats, which
-those kernels cannot read, have each call's experts dequantized first (``_run_dequantized``).
-SGLang private functions used: ``_prepare_fused_moe_run`` and ``_fused_moe_kernel_sequence``.
+scales and flags to the same Triton kernels as stock SGLang's runner does. FP4 formats, which
+those kernels cannot read: a call of at most ``DIRECT_FP4_MAX_PAIRS`` (token, expert) pairs
+(decode) runs ``kernels/fp4_moe.py``, which reads the FP4 codes and scales in the slots
+directly with the rounding points of SGLang's sequence (``_run_direct_fp4``); a larger one
+has its experts dequantized first and runs SGLang's kernels over them
+(``_run_dequantized``). SGLang private functions used: ``_prepare_fused_moe_run`` and
+``_fused_moe_kernel_sequence``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,15 @@ from freetoken_sglang.experts.formats import TritonQuant
 
 # a layer without FreeToken's method (the executors' unit tests' bare layers) is unquantized
 _UNQUANTIZED = TritonQuant()
+
+#: The most routed (token, expert) pairs, T*k, of an FP4 call that runs the direct kernels
+#: (``kernels/fp4_moe.py``: codes read in place, every pair's expert read once per pair);
+#: larger calls dequantize their distinct experts (``_run_dequantized``: about 9x an
+#: expert's FP4 bytes written and read, once per distinct expert, then tensor-core GEMMs).
+#: 32 covers decode batches up to 8 tokens at top-4 (GPT-OSS), 4 at top-8;
+#: ``benchmarks/bench_fp4_slots.py`` times both paths on either side of it.
+DIRECT_FP4_MAX_PAIRS = 32
+
 
 def run_on_slots_triton(
     layer,
@@ -48,9 +61,13 @@ def run_on_slots_triton(
             ``filter_expert`` (as under expert parallelism), giving those entries zero.
         slot_banks: ``w13_weight [S, 2I, H]``, ``w2_weight [S, H, I]`` and optional biases,
             or the format's banks (FP8 codes and scales; FP4 packed codes ``[S, 2I, H/2]``
-            and scales, dequantized per call).
+            and scales).
         inplace: overrides the runner config's ``inplace`` (False keeps ``hidden_states``
             intact, for executors that run one call in several passes).
+
+    FP4 slots: at most ``DIRECT_FP4_MAX_PAIRS`` pairs (``routed_ids.numel()``, a static
+    shape), bf16/fp16 activations, a silu-gated activation (``fp4_moe.activation_code``)
+    and no ``no_combine``: ``_run_direct_fp4``; otherwise ``_run_dequantized``.
 
     Returns:
         ``[T, H]`` (``hidden_states`` itself when the runner config is in place).
@@ -67,7 +84,11 @@ def run_on_slots_triton(
     tq = getattr(getattr(layer, "quant_method", None), "triton_quant", _UNQUANTIZED)
     if tq is None:  # a format without GPU slot kernels (refused at start; never reached)
         raise RuntimeError("FreeToken: no GPU slot kernels for this layer's expert format")
-    if tq.dequantized:
+    if tq.dequantized:  # FP4: decode-sized calls read the codes in place, others dequantize
+        act = _direct_fp4_activation(tq, cfg, hidden_states, routed_ids)
+        if act is not None:
+            return _run_direct_fp4(layer, act, hidden_states, topk_weights, routed_ids,
+                                   layer_slots, slot_banks, inplace)
         return _run_dequantized(layer, tq, hidden_states, topk_weights, routed_ids,
                                 layer_slots, slot_banks, skip_negative_ids, inplace)
     quant, scales = tq.kernel_kwargs(slot_banks)
@@ -160,9 +181,44 @@ def distinct_experts(routed_ids: torch.Tensor, num_experts: int):
     return experts[:rows], row_of[:num_experts]
 
 
+def _direct_fp4_activation(tq, cfg, hidden_states, routed_ids):
+    """``fp4_moe.activation_code`` of a call ``_run_direct_fp4`` serves, else None: FP4
+    slots, at most ``DIRECT_FP4_MAX_PAIRS`` pairs, bf16/fp16, combined output, and an
+    activation the direct kernels implement. Host-static (shapes and config only)."""
+    if not tq.fp4 or routed_ids.numel() > DIRECT_FP4_MAX_PAIRS or cfg.no_combine:
+        return None
+    if hidden_states.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    from freetoken_sglang.kernels.fp4_moe import activation_code
+
+    return activation_code(cfg.activation, cfg.is_gated, cfg.gemm1_alpha,
+                           cfg.gemm1_clamp_limit, cfg.swiglu_limit, cfg.gate_up_interleaved)
+
+
+def _run_direct_fp4(layer, act, hidden_states, topk_weights, routed_ids, layer_slots,
+                    slot_banks, inplace):
+    """``run_on_slots_triton`` for a decode-sized FP4 call: ``kernels/fp4_moe.py`` reads each
+    pair's expert codes and scales in its slot (entries at -1 give zero, as SGLang's
+    ``filter_expert``), with the rounding points of SGLang's sequence over the dequantized
+    experts: the output differs from ``_run_dequantized``'s only by fp32 accumulation order
+    and the last bits of exp/sigmoid. Two kernels, static grids, no host sync (CUDA-graph
+    safe); in place, the output is written into ``hidden_states``."""
+    from freetoken_sglang.kernels.fp4_moe import fp4_moe
+
+    cfg = layer.moe_runner_config
+    code, interleaved = act
+    in_place = cfg.inplace if inplace is None else inplace
+    return fp4_moe(hidden_states, topk_weights, routed_ids, layer_slots, slot_banks, code,
+                   interleaved, gemm1_alpha=cfg.gemm1_alpha, gemm1_limit=cfg.gemm1_clamp_limit,
+                   apply_router_weight_on_input=cfg.apply_router_weight_on_input,
+                   routed_scaling_factor=cfg.routed_scaling_factor,
+                   out=hidden_states if in_place else None)
+
+
 def _run_dequantized(layer, tq, hidden_states, topk_weights, routed_ids, layer_slots,
                      slot_banks, skip_negative_ids, inplace):
-    """``run_on_slots_triton`` for a format SGLang's Triton kernels cannot read (FP4): the
+    """``run_on_slots_triton`` for a format SGLang's Triton kernels cannot read (FP4), for
+    calls ``_run_direct_fp4`` does not serve (more than ``DIRECT_FP4_MAX_PAIRS`` pairs): the
     distinct experts of the call are dequantized from their slots into ``hidden_states.dtype``
     by the format's definition (``TritonQuant.dequantize_rows``: one Triton kernel per
     projection, ``kernels/fp4.py``), and SGLang's unquantized kernel sequence runs over them,

@@ -33,6 +33,10 @@ class TritonQuant:
     #: slot ``rows`` dequantized by the format's definition, which the unquantized kernels
     #: then read (``execute/slot_moe.py``).
     dequantize_rows: Optional[Callable] = None
+    #: FP4 banks (MXFP4, NVFP4: ``{w13,w2}_weight`` packed e2m1 codes, ``_weight_scale`` and
+    #: NVFP4's ``_weight_scale_2``), which ``kernels/fp4_moe.py`` also reads directly for
+    #: decode-sized calls (``execute/slot_moe.py``).
+    fp4: bool = False
 
     @property
     def dequantized(self) -> bool:
@@ -321,7 +325,8 @@ MXFP4 = ExpertFormat(
     quantizations=("mxfp4",),
     supports=_mxfp4_supports,
     banks=_mxfp4_banks,
-    triton=lambda base_method: TritonQuant(dequantize_rows=_fp4_rows(with_scale_2=False)),
+    triton=lambda base_method: TritonQuant(dequantize_rows=_fp4_rows(with_scale_2=False),
+                                            fp4=True),
     dequantize=_per_projection(dequantize_mxfp4, "weight", "weight_scale"),
     executor_kwargs=lambda base_method: {},
     initial_values=(("w13_weight_scale", 127), ("w2_weight_scale", 127)),  # _UE8M0_ONE
@@ -391,7 +396,8 @@ NVFP4 = ExpertFormat(
     quantizations=("modelopt_fp4",),
     supports=_nvfp4_supports,
     banks=_nvfp4_banks,
-    triton=lambda base_method: TritonQuant(dequantize_rows=_fp4_rows(with_scale_2=True)),
+    triton=lambda base_method: TritonQuant(dequantize_rows=_fp4_rows(with_scale_2=True),
+                                            fp4=True),
     dequantize=_per_projection(dequantize_nvfp4, "weight", "weight_scale", "weight_scale_2"),
     executor_kwargs=lambda base_method: {},
 )
