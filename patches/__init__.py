@@ -27,6 +27,7 @@ def all_hooks() -> List[Hook]:
     from freetoken_sglang.patches import (
         cuda_graph,
         engine,
+        fused_moe,
         gdn_backend,
         http_server,
         metrics,
@@ -43,6 +44,7 @@ def all_hooks() -> List[Hook]:
     for module in (
         server_args,
         moe_layer,
+        fused_moe,
         model_loader,
         model_runner,
         cuda_graph,

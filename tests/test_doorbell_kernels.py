@@ -193,7 +193,8 @@ def test_decode_executor_runs_the_doorbell_end_to_end(doorbell, monkeypatch,
     from test_fp4_slots_interpreter import FUSED_MOE, align_block_size
 
     from freetoken_sglang.cache.residency import MissSplit, ResidencyState
-    from freetoken_sglang.cpu.branch import _SGLANG_REDUCES, CpuBranch
+    from freetoken_sglang.cpu.branch import CpuBranch
+    from freetoken_sglang.patches.fused_moe import SUM_REDUCES
     from freetoken_sglang.cpu.executor import CpuExpertExecutor
     from freetoken_sglang.execute import decode
     from freetoken_sglang.execute.contract import LayerCall
@@ -246,7 +247,7 @@ def test_decode_executor_runs_the_doorbell_end_to_end(doorbell, monkeypatch,
 
     def expected(ex, fold):
         """SGLang's own MoE over the GPU entries (its expert outputs captured), the partial."""
-        saved = {n: getattr(sgl_fused_moe, n) for n in _SGLANG_REDUCES
+        saved = {n: getattr(sgl_fused_moe, n) for n in SUM_REDUCES
                  if hasattr(sgl_fused_moe, n)}
         seen = []
 

@@ -695,7 +695,8 @@ def test_cpu_branch_doorbell_runs_only_with_cpu_items(top_k, published_server_ar
     from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe as sgl_fused_moe
 
     from freetoken_sglang.cache.residency import MissSplit, ResidencyState
-    from freetoken_sglang.cpu.branch import _SGLANG_REDUCES, CpuBranch
+    from freetoken_sglang.cpu.branch import CpuBranch
+    from freetoken_sglang.patches.fused_moe import SUM_REDUCES
     from freetoken_sglang.cpu.executor import CpuExpertExecutor
     from freetoken_sglang.execute.contract import LayerCall
     from freetoken_sglang.execute.decode import DecodeExecutor
@@ -748,7 +749,7 @@ def test_cpu_branch_doorbell_runs_only_with_cpu_items(top_k, published_server_ar
 
         def expected(folded):
             """What the executor must return for the current routing, and its item count."""
-            saved = {n: getattr(sgl_fused_moe, n) for n in _SGLANG_REDUCES
+            saved = {n: getattr(sgl_fused_moe, n) for n in SUM_REDUCES
                      if hasattr(sgl_fused_moe, n)}
             seen = []
 

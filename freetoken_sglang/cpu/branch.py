@@ -34,13 +34,6 @@ from freetoken_sglang.cache.residency import CpuWork
 
 _libcuda = None
 
-#: SGLang 0.5.17's sum-reduce functions that ``_fused_moe_kernel_sequence`` calls by module
-#: global (``moe_runner/triton_utils/fused_moe.py``), all ``(expert_out [T, k, H], out [T, H],
-#: routed_scaling_factor)``: on CUDA the torch.compile'd one at <= 32 rows and sgl_kernel's
-#: above, elsewhere its Triton kernel
-_SGLANG_REDUCES = ("moe_sum_reduce_torch_compile", "moe_sum_reduce", "moe_sum_reduce_triton")
-
-
 def _launch_host_func(stream: int, fn: int, data: int) -> None:
     """``cuLaunchHostFunc(stream, fn, data)`` (driver API; capturable into CUDA graphs)."""
     global _libcuda
@@ -264,38 +257,29 @@ class CpuBranch:
     @contextlib.contextmanager
     def merging_reduce(self):
         """Run the layer's GPU MoE inside this: for a doorbell call launched with ``fold`` on,
-        the first SGLang sum-reduce it calls (``_SGLANG_REDUCES``, module globals of SGLang's
-        ``fused_moe.py``, swapped for the duration) is ``kernels.doorbell.reduce_merge``,
+        the first SGLang sum-reduce it calls (swapped for the duration by
+        ``patches/fused_moe.py``'s ``sum_reduce_replaced``) is ``kernels.doorbell.reduce_merge``,
         which also awaits and adds the CPU partial (one kernel in place of SGLang's; ``merge``
         then launches nothing); any later one runs as SGLang's. Otherwise it changes nothing.
         Python-level only (capture-safe): the kernels a graph records are decided here."""
         if self._count is None or not self.fold or self.doorbell is None:
             yield
             return
-        from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe as sgl_fused_moe
-
         from freetoken_sglang.kernels import doorbell
+        from freetoken_sglang.patches.fused_moe import sum_reduce_replaced
 
-        saved = {n: getattr(sgl_fused_moe, n) for n in _SGLANG_REDUCES
-                 if hasattr(sgl_fused_moe, n)}
-
-        def replacing(name):
+        def replacing(original):
             def reduce(expert_out, out, scale):
                 if self._count is None:  # merged already: SGLang's own sum
-                    return saved[name](expert_out, out, scale)
+                    return original(expert_out, out, scale)
                 doorbell.reduce_merge(expert_out, out, scale, self._count, self.seq_dev,
                                       self._uva["done"], self._uva["out"], self._uva["status"])
                 self._count = None
                 self._folded = True
             return reduce
 
-        for name in saved:
-            setattr(sgl_fused_moe, name, replacing(name))
-        try:
+        with sum_reduce_replaced(replacing):
             yield
-        finally:
-            for name, fn in saved.items():
-                setattr(sgl_fused_moe, name, fn)
 
     def merge(self, gpu_out: torch.Tensor) -> torch.Tensor:
         """Add the CPU partial (fp32 ``[T, H]``) to ``gpu_out`` (``[T, H]``, the layer dtype)
