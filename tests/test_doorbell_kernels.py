@@ -194,7 +194,7 @@ def test_decode_executor_runs_the_doorbell_end_to_end(doorbell, monkeypatch,
 
     from freetoken_sglang.cache.residency import MissSplit, ResidencyState
     from freetoken_sglang.cpu.branch import CpuBranch
-    from freetoken_sglang.patches.fused_moe import SUM_REDUCES
+    from freetoken_sglang.patches.fused_moe import sum_reduce_replaced
     from freetoken_sglang.cpu.executor import CpuExpertExecutor
     from freetoken_sglang.execute import decode
     from freetoken_sglang.execute.contract import LayerCall
@@ -208,7 +208,6 @@ def test_decode_executor_runs_the_doorbell_end_to_end(doorbell, monkeypatch,
                         "get_device_name", lambda *a: "cpu")
     monkeypatch.setattr(importlib.import_module(FUSED_MOE + "moe_align_block_size"),
                         "sgl_moe_align_block_size", align_block_size, raising=False)
-    sgl_fused_moe = importlib.import_module(FUSED_MOE + "fused_moe")
     monkeypatch.setattr(decode, "decide", decide_triton)
     monkeypatch.setattr(decode, "routed_scale",  # as on CUDA: SGLang's sum scales
                         lambda layer, x: layer.moe_runner_config.routed_scaling_factor)
@@ -247,22 +246,17 @@ def test_decode_executor_runs_the_doorbell_end_to_end(doorbell, monkeypatch,
 
     def expected(ex, fold):
         """SGLang's own MoE over the GPU entries (its expert outputs captured), the partial."""
-        saved = {n: getattr(sgl_fused_moe, n) for n in SUM_REDUCES
-                 if hasattr(sgl_fused_moe, n)}
         seen = []
 
-        def spy(name):
+        def spy(original):
             def reduce(expert_out, out, scale):
                 seen.append((expert_out.clone(), scale))
-                saved[name](expert_out, out, scale)
+                original(expert_out, out, scale)
             return reduce
 
-        for name in saved:
-            monkeypatch.setattr(sgl_fused_moe, name, spy(name))
-        own = run_on_slots_triton(layer, x, w, torch.where(ids >= 4, -1, ids),
-                                  state.layer_slots(0, E), slots, skip_negative_ids=True)
-        for name, fn in saved.items():
-            monkeypatch.setattr(sgl_fused_moe, name, fn)
+        with sum_reduce_replaced(spy):
+            own = run_on_slots_triton(layer, x, w, torch.where(ids >= 4, -1, ids),
+                                      state.layer_slots(0, E), slots, skip_negative_ids=True)
         r, c = (ids >= 4).nonzero(as_tuple=True)  # row-major, as the kernel emits them
         if not r.numel():
             return own, 0

@@ -692,16 +692,15 @@ def test_cpu_branch_doorbell_runs_only_with_cpu_items(top_k, published_server_ar
     from types import SimpleNamespace
 
     from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
-    from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe as sgl_fused_moe
 
     from freetoken_sglang.cache.residency import MissSplit, ResidencyState
     from freetoken_sglang.cpu.branch import CpuBranch
-    from freetoken_sglang.patches.fused_moe import SUM_REDUCES
     from freetoken_sglang.cpu.executor import CpuExpertExecutor
     from freetoken_sglang.execute.contract import LayerCall
     from freetoken_sglang.execute.decode import DecodeExecutor
     from freetoken_sglang.execute.slot_moe import run_on_slots_triton
     from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
+    from freetoken_sglang.patches.fused_moe import sum_reduce_replaced
 
     E, H, I, T, k, bf16 = 8, 2048, 128, 3, top_k, torch.bfloat16
     torch.manual_seed(k)
@@ -749,25 +748,18 @@ def test_cpu_branch_doorbell_runs_only_with_cpu_items(top_k, published_server_ar
 
         def expected(folded):
             """What the executor must return for the current routing, and its item count."""
-            saved = {n: getattr(sgl_fused_moe, n) for n in SUM_REDUCES
-                     if hasattr(sgl_fused_moe, n)}
             seen = []
 
-            def spy(name):
+            def spy(original):
                 def reduce(expert_out, out, scale):
                     seen.append((expert_out.clone(), scale))
-                    return saved[name](expert_out, out, scale)
+                    return original(expert_out, out, scale)
                 return reduce
 
-            for name in saved:
-                setattr(sgl_fused_moe, name, spy(name))
-            try:  # SGLang's own MoE over the GPU entries
+            with sum_reduce_replaced(spy):  # SGLang's own MoE over the GPU entries
                 own = run_on_slots_triton(layer, x, w, torch.where(ids >= 4, -1, ids),
                                           state.layer_slots(0, E), slots,
                                           skip_negative_ids=True)
-            finally:
-                for name, fn in saved.items():
-                    setattr(sgl_fused_moe, name, fn)
             assert len(seen) == (1 if k > 2 else 0)  # top-2 at scale 1: SGLang's own add
             r, c = (ids >= 4).cpu().nonzero(as_tuple=True)  # row-major, as the kernel emits
             partial = torch.zeros(T, H)
