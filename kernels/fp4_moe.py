@@ -312,8 +312,9 @@ def fp4_moe(
         ``[T, H]`` in ``x.dtype`` (``out`` when given).
 
     Raises:
-        ValueError: another dtype than bf16/fp16, a non-contiguous bank, or H / I not whole
-            scale blocks.
+        ValueError: another dtype than bf16/fp16, a non-contiguous bank, banks whose shapes
+            are not the format's unpadded experts (scale blocks of 32, NVFP4 16), or top-k
+            weights not shaped as the ids.
     """
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fp4_moe: activations must be bf16 or fp16, not {x.dtype}")
@@ -327,6 +328,15 @@ def fp4_moe(
     N, I = c13.shape[1], c2.shape[2] * 2
     nv = s2_13 is not None
     group = H // s13.shape[-1]
+    if (group != (16 if nv else 32) or s13.shape[-1] * group != H or N != 2 * I
+            or c13.shape[2] * 2 != H or s2c.shape[-1] * group != I
+            or topk_weights.shape != routed_ids.shape):
+        raise ValueError(
+            f"fp4_moe: banks w13 {tuple(c13.shape)} (scales {tuple(s13.shape)}), w2 "
+            f"{tuple(c2.shape)} (scales {tuple(s2c.shape)}) for x [{T}, {H}] are not unpadded "
+            f"{'NVFP4 (scale per 16)' if nv else 'MXFP4 (scale per 32)'} experts [S, 2I, H/2], "
+            f"[S, H, I/2], or the top-k weights {tuple(topk_weights.shape)} are not the ids' "
+            f"{tuple(routed_ids.shape)}")
     bf16 = x.dtype == torch.bfloat16
     round_w = nv or not bf16  # MXFP4 weights are exact in bf16
     ids = routed_ids.contiguous()

@@ -1,4 +1,6 @@
-"""Hook into SGLang 0.5.17's Triton fused-MoE sequence (``sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe``): its sum over top-k, replaced for one MoE call.
+"""SGLang 0.5.17's sum over top-k in its Triton fused-MoE sequence, replaced for one MoE call.
+
+The module: ``sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe``.
 
 ``_fused_moe_kernel_sequence`` ends by summing the down GEMM's weighted expert outputs over
 top-k through a module global of that file (``SUM_REDUCES``): on CUDA the torch.compile'd

@@ -217,6 +217,7 @@ class CpuBranch:
             RuntimeError: more rows than ``max_rows``, the branch is closed, or ``posted``
                 off the doorbell mode.
         """
+        self._folded = False  # (a call that raised before its merge leaves none behind)
         if self.device.type != "cuda":
             n = int(work.count)
             out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32)

@@ -228,7 +228,8 @@ def _run_dequantized(layer, tq, hidden_states, topk_weights, routed_ids, layer_s
     unwritten, in passes of ``DEQUANTIZED_PASS_BYTES`` (at least one expert each). With one
     pass the result is bit-identical to SGLang's kernels over the dequantized experts; with
     several (GPT-OSS-120B's 49.8 MB experts: more than 10 distinct experts in a call) the
-    passes' outputs, other passes' entries zero, are summed in fp32 and rounded once."""
+    passes' outputs, other passes' entries zero, are summed in fp32 and rounded once (a q*
+    call's CPU partial, folded into the first pass's sum, is rounded there too)."""
     from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import (
         _fused_moe_kernel_sequence,
         _prepare_fused_moe_run,
