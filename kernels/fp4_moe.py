@@ -155,8 +155,8 @@ def _gate_up_kernel(
     eid = tl.load(ids_ptr + p).to(tl.int32)
     if eid < 0:  # served elsewhere: kernel 2 skips the pair, its row stays unwritten
         return
-    if HAS_SLOTS:
-        slot = tl.load(slots_ptr + eid).to(tl.int64)
+    if HAS_SLOTS:  # a non-resident expert (-1) reads slot 0, as remap_expert_ids_ does
+        slot = tl.maximum(tl.load(slots_ptr + eid).to(tl.int64), 0)
     else:
         slot = eid.to(tl.int64)
     t = p // TOPK
@@ -223,8 +223,8 @@ def _down_kernel(
         p = t * TOPK + j
         eid = tl.load(ids_ptr + p).to(tl.int32)
         if eid >= 0:  # a -1 entry adds SGLang's zeros (filter_expert)
-            if HAS_SLOTS:
-                slot = tl.load(slots_ptr + eid).to(tl.int64)
+            if HAS_SLOTS:  # (-1: slot 0, as kernel 1)
+                slot = tl.maximum(tl.load(slots_ptr + eid).to(tl.int64), 0)
             else:
                 slot = eid.to(tl.int64)
             if NV:
@@ -293,7 +293,9 @@ def fp4_moe(
         x: ``[T, H]`` bf16 or fp16 activations (rows contiguous).
         topk_weights: ``[T, k]`` router weights (fp32).
         routed_ids: int ``[T, k]`` local expert ids; -1 entries contribute zero.
-        layer_slots: int ``[E]`` slot of each local expert, or None (the id is the slot).
+        layer_slots: int ``[E]`` slot of each local expert (-1, no slot: slot 0 is read, as
+            SGLang's path reads it after ``remap_expert_ids_``; only rows the decision treats
+            as padding route there), or None (the id is the slot).
         banks: contiguous slot banks under SGLang's names: ``w13_weight`` uint8 ``[S, N, H/2]``
             (N = 2I), ``w2_weight`` uint8 ``[S, H, I/2]`` (two e2m1 codes a byte, low nibble
             first), ``{w13,w2}_weight_scale`` (uint8 e8m0 per 32 values: MXFP4; float8_e4m3fn
