@@ -12,9 +12,11 @@ if anywhere, and the CPU-executed expert count proves the host-function path ran
     python benchmarks/gpu_equality.py --family gpt_oss --quant mxfp4 \
         --common-args '{"moe_runner_backend": "triton"}'
 
-With ``--quant nvfp4`` or ``mxfp4`` the FP4 slots are dequantized per call for SGLang's
-Triton kernels (``execute/slot_moe.py``), and FreeToken also runs once with
-``--freetoken-backend cpu``. MXFP4's fill must equal stock's Triton runner (which dequantizes
+With ``--quant nvfp4`` or ``mxfp4`` the policies run with ``--freetoken-fp4-kernels
+dequantized`` (the FP4 slots dequantized per call for SGLang's Triton kernels,
+``execute/slot_moe.py``: fill must be identical), and FreeToken also runs fill with the direct
+FP4 kernels (the default; their fp32 sums run in another order: reported, as qstar's) and once
+with ``--freetoken-backend cpu``. MXFP4's fill must equal stock's Triton runner (which dequantizes
 the experts at load). Stock NVFP4 on Hopper runs Marlin's W4A16 kernel, so for NVFP4 stock
 serves the checkpoint's BF16 twin (its experts dequantized, exact in BF16), which FreeToken's
 fill on the NVFP4 checkpoint must equal.
@@ -160,8 +162,12 @@ def main():
     stock_path = twin if a.quant == "nvfp4" else path
     stock = run(stock_path, a.new_tokens, {**common, **json.loads(a.stock_args)}, freetoken=False)
     results, full = [], {"stock": stock}
-    runs = [(p, {}) for p in policies]
-    if a.quant in ("nvfp4", "mxfp4"):  # reported, not required (as qstar's and cpu's)
+    # FP4: the required runs take SGLang's Triton MoE over dequantized slots (its results bit
+    # for bit); the direct kernels (the default) sum in another fp32 order: reported
+    fp4 = {"freetoken_fp4_kernels": "dequantized"} if a.quant in ("nvfp4", "mxfp4") else {}
+    runs = [(p, dict(fp4)) for p in policies]
+    if fp4:  # reported, not required (as qstar's and cpu's)
+        runs.append(("fill", {"freetoken_fp4_kernels": "direct"}))
         runs.append(("backend-cpu", {"freetoken_backend": "cpu"}))
     checks = {"lru": {"freetoken_prefill": "lru"},
               "reserved": {"freetoken_prefill_buffers": "reserved"},
@@ -222,7 +228,9 @@ def main():
     # Waves sum their partial outputs (fp32, then the layer dtype): reported, not required.
     bad = [r["miss_policy"] for r in results if r["miss_policy"] == "fill"
            and "freetoken_cache_slots" not in r["extra"]
-           and "freetoken_prefill_cpu" not in r["extra"] and not all(r["identical"].values())]
+           and "freetoken_prefill_cpu" not in r["extra"]
+           and r["extra"].get("freetoken_fp4_kernels") != "direct"
+           and not all(r["identical"].values())]
     if bad:
         raise SystemExit("FreeToken's greedy tokens differ from stock SGLang's (fill policy)")
     idle = [r["miss_policy"] for r in results

@@ -236,6 +236,18 @@ class FreeTokenConfig:
             "call.",
         ),
     )
+    fp4_kernels: str = field(
+        default="direct",
+        metadata=dict(
+            type=_choice("direct", "dequantized"),
+            help="FP4 experts (MXFP4, NVFP4) in the GPU cache: direct (default) runs decode "
+            "calls of at most 32 (token, expert) pairs with FreeToken's kernels that read the "
+            "FP4 codes in their slots (5-7x faster per call than dequantizing; the output "
+            "differs from SGLang's Triton MoE over the dequantized experts by fp32 summation "
+            "order); dequantized runs every call through SGLang's Triton MoE over the slots "
+            "dequantized to the activation dtype (its results bit for bit).",
+        ),
+    )
     bandwidth: Optional[tuple] = field(
         default=None,
         metadata=dict(

@@ -9,6 +9,8 @@ straight into the final host layout; its ``apply`` hands each layer call to one 
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import threading
 
@@ -79,6 +81,10 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         rt = self.runtime
         if not reason:
             self.triton_quant = self.format.triton(self.base_method)
+            if self.triton_quant is not None and self.triton_quant.fp4 and \
+                    rt.config.fp4_kernels == "dequantized":
+                # every call through SGLang's kernels over dequantized slots (slot_moe.py)
+                self.triton_quant = dataclasses.replace(self.triton_quant, fp4=False)
         if not reason and self.triton_quant is None and rt.backend == "gpu" and \
                 rt.device.type == "cuda":
             reason = ("the GPU expert cache has no kernels for this format yet; serve it with "

@@ -323,7 +323,7 @@ class FreeTokenRuntime:
         logger.info(
             "FreeToken: %s, routed experts in host memory (%s); backend %s; GPU expert "
             "cache: %s (size: %s); decode misses: %s. Peak GPU memory during load: %.2f "
-            "GiB; pinning took %.2f s. %s",
+            "GiB; pinning took %.2f s. %s%s",
             self.family,
             self.pool.describe(),
             self.backend
@@ -335,7 +335,26 @@ class FreeTokenRuntime:
             peak_load_bytes / GIB,
             pin_s,
             self.describe_prefill(),
+            self.describe_fp4(),
         )
+
+    def describe_fp4(self) -> str:
+        """The FP4 kernels' sentence of the start-up log (``--freetoken-fp4-kernels``), or ""
+        where the experts are not FP4 in a GPU cache on CUDA."""
+        if self.cache is None or not self.moe_layer_ids or self.backend != "gpu" \
+                or self.device.type != "cuda":
+            return ""
+        tq = self.layers[self.moe_layer_ids[0]].triton_quant
+        if tq is None or not tq.dequantized:
+            return ""
+        from freetoken_sglang.execute.slot_moe import DIRECT_FP4_MAX_PAIRS
+
+        if tq.fp4:
+            return (f" FP4 experts: calls of at most {DIRECT_FP4_MAX_PAIRS} (token, expert) "
+                    "pairs read the codes in their slots (--freetoken-fp4-kernels direct), "
+                    "larger ones run SGLang's Triton MoE over dequantized slots.")
+        return (" FP4 experts: every call runs SGLang's Triton MoE over dequantized slots "
+                "(--freetoken-fp4-kernels dequantized).")
 
     def _plan_layout(self, num_slots: int) -> SlotLayout:
         """The split of ``num_slots`` slot rows the flags ask for (``cache/layout.py``)."""

@@ -337,7 +337,9 @@ def test_fp4_formats_are_served_on_every_device_and_backend(device, backend):
     def original(*a, **kw):
         raise Built
 
-    rt = SimpleNamespace(backend=backend, device=torch.device(device))
+    from freetoken_sglang.config import FreeTokenConfig
+
+    rt = SimpleNamespace(backend=backend, device=torch.device(device), config=FreeTokenConfig())
     base = SimpleNamespace(use_marlin=False, use_flashinfer=False, use_deep_gemm=False,
                            use_triton_kernels=False)
     method = FreeTokenMoEMethod(rt, base, FORMATS["mxfp4"], original)
@@ -345,6 +347,12 @@ def test_fp4_formats_are_served_on_every_device_and_backend(device, backend):
     with pytest.raises(Built):
         method.create_weights(layer, 8, 64, 32, torch.bfloat16, with_bias=True)
     assert method.triton_quant.dequantized  # set once the format accepted the method
+    assert method.triton_quant.fp4  # decode-sized calls read the codes (the default)
+    rt.config = FreeTokenConfig(fp4_kernels="dequantized")
+    with pytest.raises(Built):
+        method.create_weights(layer, 8, 64, 32, torch.bfloat16, with_bias=True)
+    assert method.triton_quant.dequantized and not method.triton_quant.fp4
+    rt.config = FreeTokenConfig()
     base.use_triton_kernels = True
     with pytest.raises(UnsupportedModelError, match="backend for it is triton_kernel, which "
                        "repacks MXFP4 experts at load and is not served; pass "
