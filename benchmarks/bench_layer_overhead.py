@@ -21,6 +21,12 @@ resident, slots, lru) the excess over stock SGLang's ``fused_experts`` on the la
   branch, which has no CPU item to run: its post and merge folded into the decision kernel
   and the MoE's sum (``CpuBranch.fold``); ``qstar-sep``: the same with the post and the
   merge as kernels of their own, as before they were folded (the A/B of that change);
+- ``decide-q``, ``decide-q-post``: the decision kernel under q*'s split (the admission rule),
+  without and with the doorbell post; ``slots-neg``: ``slots`` with ``filter_expert`` (CPU
+  entries masked); ``slots-merge``: that with the doorbell's merging sum in place of SGLang's
+  (no CPU item): the parts of ``qstar``'s excess over ``lru``;
+- ``slots-merge@BxW`` (``--reduce-configs``): ``slots-merge`` with the merging sum's blocks
+  of B hidden elements and W warps;
 - ``decide@BxW`` (``--decide-configs``): the decision kernel with loops of B routed entries
   and W warps;
 - ``decide-miss`` (and ``decide-miss@BxW``): the decision kernel when every routed expert
@@ -94,6 +100,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decide-configs", default="",
                     help="also time the decision kernel with these BLOCKxWARPS configs "
                          "(e.g. 16x1,16x4,64x1)")
+    ap.add_argument("--reduce-configs", default="",
+                    help="comma-separated BLOCKxWARPS of the doorbell's merging sum to time "
+                         "as slots-merge@BxW (e.g. 256x2,512x4)")
     ap.add_argument("--miss-slots", type=int, default=256,
                     help="slots of the all-miss decision variant (fewer than --calls x top-k)")
     ap.add_argument("--variants", default="",
@@ -183,6 +192,20 @@ def main(argv=None) -> int:
                             d.plan.src, d.plan.dst, d.plan.count)
             run_on_slots_triton(layers[o], x, w, d.routed_ids, state.layer_slots(o, E), slots)
 
+        def slots_merge(i):
+            # the q* path's MoE alone: CPU entries masked (filter_expert) and its sum-reduce
+            # replaced by the doorbell's reduce_merge with no CPU item (count 0)
+            from freetoken_sglang.kernels import doorbell
+            from freetoken_sglang.patches.fused_moe import sum_reduce_replaced
+
+            def replacing(original):
+                return lambda e_out, out, scale: doorbell.reduce_merge(
+                    e_out, out, scale, count, branch.seq_dev, branch._uva["done"],
+                    branch._uva["out"], branch._uva["status"])
+            with sum_reduce_replaced(replacing):
+                run_on_slots_triton(layers[i % L], x, w, ids, state.layer_slots(i % L, E),
+                                    slots, skip_negative_ids=True)
+
         variants = {
             "stock": lambda i: fused_experts(x, per_layer[i % L]["w13_weight"],
                                              per_layer[i % L]["w2_weight"], topk, cfg),
@@ -191,6 +214,14 @@ def main(argv=None) -> int:
             "slots": lambda i: run_on_slots_triton(layers[i % L], x, w, ids,
                                                    state.layer_slots(i % L, E), slots),
             "decide": lambda i: decide(state, counters, i % L, E, ids, w, num_valid),
+            "decide-q": lambda i: decide(state, counters, i % L, E, ids, w, num_valid,
+                                         qstar_split),
+            "decide-q-post": lambda i: decide(state, counters, i % L, E, ids, w, num_valid,
+                                              qstar_split, post=branch.post_target(x)),
+            "slots-neg": lambda i: run_on_slots_triton(layers[i % L], x, w, ids,
+                                                       state.layer_slots(i % L, E), slots,
+                                                       skip_negative_ids=True),
+            "slots-merge": slots_merge,
             "fill": lambda i: copy_rows_banks([slots[n] for n in names],
                                               [slots[n] for n in names], src, src, count),
             "remap": lambda i: remap_expert_ids_(expert_ids, state.layer_slots(i % L, E)),
@@ -207,6 +238,16 @@ def main(argv=None) -> int:
         miss_counters.zero_()
         got = {name: per_call_us(fn, a.calls, a.reps) for name, fn in variants.items()
                if not only or name in only}
+        for conf in (x for x in a.reduce_configs.split(",") if x):
+            from freetoken_sglang.kernels import doorbell as door
+
+            block, warps = (int(v) for v in conf.split("x"))
+            default = door.REDUCE_BLOCK, door.REDUCE_WARPS
+            door.REDUCE_BLOCK, door.REDUCE_WARPS = block, warps
+            try:
+                got[f"slots-merge@{conf}"] = per_call_us(slots_merge, a.calls, a.reps)
+            finally:
+                door.REDUCE_BLOCK, door.REDUCE_WARPS = default
         for conf in (x for x in a.decide_configs.split(",") if x):
             block, warps = (int(v) for v in conf.split("x"))
             kern = residency_kernels

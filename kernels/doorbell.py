@@ -25,6 +25,15 @@ import triton
 import triton.language as tl
 
 
+# reduce_merge's hidden elements per program and its warps: the MoE over slots with this sum
+# took 43.30 / 125.83 us per all-hit call at bs1 / bs4 on an H100 (Qwen3-30B-A3B shape),
+# against 43.74 / 126.66 at 1024 x 4 and 43.37-43.83 / 125.85-126.70 at 256 x 1-2, 512 x 2 and
+# 2048 x 8 (bench_layer_overhead.py --reduce-configs, one run; RESULTS.md, Session 32). Each
+# element's sum is the same at any block.
+REDUCE_BLOCK = 512
+REDUCE_WARPS = 4
+
+
 @dataclass(frozen=True)
 class DoorbellPost:
     """Where the decision kernel posts a layer call's CPU work (``residency.decide(post=)``).
@@ -236,10 +245,10 @@ def reduce_merge(expert_out: torch.Tensor, out: torch.Tensor, scale: float, coun
             f"doorbell.reduce_merge: expert outputs {list(expert_out.shape)} (strides "
             f"{expert_out.stride()}), out {list(out.shape)} (strides {out.stride()}) and a "
             f"partial {list(partial.shape)} do not match")
-    block = min(1024, triton.next_power_of_2(H))
+    block = min(REDUCE_BLOCK, triton.next_power_of_2(H))
     _reduce_merge_kernel[(T, triton.cdiv(H, block))](
         expert_out, expert_out.stride(0), expert_out.stride(1), out, out.stride(0), partial,
         partial.stride(0), H, count, seq, done, status, max_spins, TOPK=k,
-        SCALE=float(scale), BLOCK_H=block, num_warps=4,
+        SCALE=float(scale), BLOCK_H=block, num_warps=REDUCE_WARPS,
         enable_fp_fusion=False,  # the scale's product rounds before the partial is added
     )
