@@ -241,6 +241,8 @@ def main(argv=None) -> int:
         for conf in (x for x in a.reduce_configs.split(",") if x):
             from freetoken_sglang.kernels import doorbell as door
 
+            if len(conf.split("x")) != 2:
+                ap.error(f"--reduce-configs: {conf!r} is not BLOCKxWARPS (e.g. 512x4)")
             block, warps = (int(v) for v in conf.split("x"))
             default = door.REDUCE_BLOCK, door.REDUCE_WARPS
             door.REDUCE_BLOCK, door.REDUCE_WARPS = block, warps

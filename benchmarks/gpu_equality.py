@@ -187,7 +187,7 @@ def main():
     for name in [c for c in a.prefill_checks.split(",") if c]:
         if name not in checks:
             raise SystemExit(f"--prefill-checks: unknown {name!r} (choose from {', '.join(checks)})")
-        runs.append(("fill", checks[name]))
+        runs.append(("fill", {**fp4, **checks[name]}))
     for policy, more in runs:
         ft_kwargs = {
             **common,

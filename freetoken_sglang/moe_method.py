@@ -81,10 +81,14 @@ class FreeTokenMoEMethod(FusedMoEMethodBase, torch.nn.Module):
         rt = self.runtime
         if not reason:
             self.triton_quant = self.format.triton(self.base_method)
-            if self.triton_quant is not None and self.triton_quant.fp4 and \
-                    rt.config.fp4_kernels == "dequantized":
-                # every call through SGLang's kernels over dequantized slots (slot_moe.py)
-                self.triton_quant = dataclasses.replace(self.triton_quant, fp4=False)
+            if rt.config.fp4_kernels == "dequantized":
+                if self.triton_quant is None or not self.triton_quant.fp4 or \
+                        rt.backend != "gpu" or rt.device.type != "cuda":
+                    reason = ("--freetoken-fp4-kernels dequantized has no effect here: it "
+                              "applies to FP4 experts (MXFP4, NVFP4) in the GPU expert cache "
+                              "on CUDA; drop the flag")
+                else:  # every call through SGLang's kernels over dequantized slots
+                    self.triton_quant = dataclasses.replace(self.triton_quant, fp4=False)
         if not reason and self.triton_quant is None and rt.backend == "gpu" and \
                 rt.device.type == "cuda":
             reason = ("the GPU expert cache has no kernels for this format yet; serve it with "

@@ -134,8 +134,9 @@ def _decide_kernel(
     last = tl.load(last_use_ptr + base + e, mask=em, other=0)
     if ADMIT or REFILL or RETURN:
         # Reused misses: used more recently than the least recently used slot (its stamp is
-        # -1 while a slot is empty: every miss). No miss: no scan (S * 0 loops) and no load:
-        # the bound above every key (stamps are at most now) leaves ``within`` empty.
+        # -1 while a slot is empty: every miss). No miss: no scan (S * 0 loops) and no load
+        # (the bound starts above every key: stamps are at most now); ``oldest`` then goes
+        # unused (``within`` needs a miss, the return rule's decay too).
         kmin = now * S + S
         for s0 in range(0, S * (n_miss > 0).to(tl.int32), SLOT_BLOCK):
             so = s0 + tl.arange(0, SLOT_BLOCK)

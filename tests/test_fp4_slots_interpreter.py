@@ -150,7 +150,8 @@ def test_fp4_direct_kernels_in_the_interpreter(label, monkeypatch):
     bytes; for MXFP4 also the other activations and options the kernels implement. Against
     the float64 reference of the formats' definitions within 1 bf16 ulp: the same rounding
     points, only the accumulation order (fp32 here) differs. (Against SGLang's kernels over
-    the dequantized experts: ``check_fp4_slots``.)"""
+    the dequantized experts: ``check_fp4_slots``.) MXFP4 also: a routed expert without a slot
+    (-1) reads slot 0, as SGLang's path does."""
     from freetoken_sglang.execute import slot_moe
     from freetoken_sglang.kernels import fp4_moe
 

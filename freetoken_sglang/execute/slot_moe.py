@@ -241,8 +241,10 @@ def _run_dequantized(layer, tq, hidden_states, topk_weights, routed_ids, layer_s
     num_experts = layer.w13_weight.shape[0]
     experts, row_of = distinct_experts(routed_ids, num_experts)
     rows = experts.numel()
+    # a routed expert without a slot (-1: rows the decision treats as padding) reads slot 0,
+    # as remap_expert_ids_ makes SGLang's path read it
     slot_rows = experts if layer_slots is None else torch.where(
-        experts >= 0, layer_slots[experts.clamp(min=0)].long(), -1)
+        experts >= 0, layer_slots[experts.clamp(min=0)].long().clamp(min=0), -1)
     hidden, inter = cfg.hidden_size, cfg.intermediate_size_per_partition
     shards = 2 if cfg.is_gated else 1
     per_expert = (shards + 1) * inter * hidden * hidden_states.element_size()

@@ -1,4 +1,4 @@
-# s32 call 2: layer-call overhead split (q* parts), FP8 stock + FT fill 50% beside BF16 FT fill 25% (same GiB), trained trace; CUDA tests
+# s32 call 1 (ran as _scratch/s32_c2.sh; _scratch/s31_common.sh is s31_common.sh here): layer-call overhead split (q* parts), FP8 stock + FT fill 50% beside BF16 FT fill 25% (same GiB), trained trace; CUDA tests
 source _scratch/s31_common.sh
 TR=benchmarks/results/h200-2026-12-03-s14/train/tr/trace_W4.npz
 t0=$(date +%s)

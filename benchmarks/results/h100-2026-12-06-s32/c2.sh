@@ -1,4 +1,4 @@
-# s32 call 1: GPT-OSS-120B MXFP4, stock beside FreeToken (direct FP4 kernels), trained trace; 0.94 = the GiB of BF16's 25%
+# s32 call 2 (ran as _scratch/s32_c1.sh; _scratch/s31_common.sh is s31_common.sh here): GPT-OSS-120B MXFP4, stock beside FreeToken (direct FP4 kernels), trained trace; 0.94 = the GiB of BF16's 25%
 # expandable segments: stock's MXFP4 swizzle ran out of memory on an H100 with 5.27 GiB reserved but unallocated (s27)
 source _scratch/s31_common.sh
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
