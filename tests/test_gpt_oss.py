@@ -24,8 +24,9 @@ import torch
 
 from freetoken_sglang.tiny_quant import mxfp4_dequantize, mxfp4_quantize, write_mxfp4
 from inproc import run_check
-from test_e2e_families import (CACHE_25, CHUNK, _top2, assert_same_tokens, serve_and_collect,
-                               transformers_greedy)
+from sglang_cpu import start_server
+from test_e2e_families import (CACHE_25, CHUNK, _top2, assert_same_tokens, counts_since,
+                               flush_radix_cache, serve_and_collect, transformers_greedy)
 
 # Ten layers, as test_e2e_families.FAMILY_SHAPES: at 25% the prefill streams.
 SHAPE = dict(num_layers=10, num_experts=8, top_k=2)
@@ -74,15 +75,32 @@ def test_gpt_oss_matches_stock_sglang_and_transformers(tiny_checkpoint, tmp_path
     want, _, _ = serve(path, [], str(tmp_path / "stock.log"))
     # stock SGLang against transformers, within the sliding window (prompt 0: 18 positions)
     assert want["sequential"][:1] == transformers_greedy(path, PROMPTS[:1], NEW_TOKENS)
-    for policy, flags in (
-        ("fill", ["--freetoken-miss-policy", "fill"]),
-        # B_P/B_H = 0.5 and no fixed costs: half of each call's misses on the C executor
-        ("qstar", ["--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40,0,0"]),
-    ):
-        got, stats, log = serve(path, ["--enable-freetoken"] + CACHE_25 + flags,
-                                str(tmp_path / f"ft-{policy}.log"))
-        assert "FreeToken: GPT-OSS, routed experts in host memory" in log
-        assert "w13_weight_bias" in log and "w2_weight_bias" in log  # biases in the pool
+    # One FreeToken server (CI time): qstar from its start (B_P/B_H = 0.5 and no fixed costs:
+    # half of each call's misses on the C executor), then switched to fill (POST
+    # /freetoken/cache), SGLang's radix cache flushed before each; each policy's counters are
+    # what its own requests counted.
+    server = start_server(path, CHUNK + TRITON_ATTENTION + CACHE_25 + [
+        "--freetoken-miss-policy", "qstar", "--freetoken-bandwidth", "20,40,0,0"],
+        log_path=str(tmp_path / "ft.log"), timeout=600)
+    runs = []
+    try:
+        for policy in ("qstar", "fill"):
+            if policy == "fill":
+                r = requests.post(server.url + "/freetoken/cache", json={"miss_policy": "fill"},
+                                  timeout=300)
+                assert r.status_code == 200, r.text
+            flush_radix_cache(server.url)
+            before = requests.get(server.url + "/freetoken/stats", timeout=60).json()
+            got = generate(server.url)
+            after = requests.get(server.url + "/freetoken/stats", timeout=60).json()
+            runs.append((policy, got, counts_since(before, after)))
+    finally:
+        server.stop()
+    log = server.log()
+    assert "FreeToken: GPT-OSS, routed experts in host memory" in log
+    assert "w13_weight_bias" in log and "w2_weight_bias" in log  # biases in the pool
+    for policy, got, stats in runs:
+        assert stats["miss_policy"] == policy
         assert_same_tokens(got, want, f"gpt_oss {policy}")
         total = stats["total"]
         assert stats["cache"]["slots"] == stats["pool"]["experts"] // 4
