@@ -298,6 +298,83 @@ def _run_dequantized(layer, tq, hidden_states, topk_weights, routed_ids, layer_s
     return out
 
 
+def _run_fp4_gemm(layer, tq, hidden_states, topk_weights, routed_ids, layer_slots,
+                  slot_banks, skip_negative_ids, inplace):
+    """``run_on_slots_triton`` for FP4 slots through SGLang's own kernel sequence, its two
+    GEMMs launched by ``kernels/fp4_gemm.py`` (``patches/fused_moe.py`` ``gemm_replaced``),
+    which decode the B tiles from the codes in registers: SGLang's arithmetic over the
+    dequantized experts (``_run_dequantized``'s one-pass result) without the copies. The token
+    alignment is computed over the layer's E ids as stock SGLang computes it, its block expert
+    ids remapped to slots (-1, no slot: slot 0, as for BF16 slots); the non-TMA down kernel.
+    Static shapes, no host sync (CUDA-graph safe). Not yet chosen by ``run_on_slots_triton``:
+    its bit identity with SGLang's MMA chain and its speed are unmeasured on a GPU."""
+    from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import (
+        _fused_moe_kernel_sequence,
+        _prepare_fused_moe_run,
+    )
+
+    from freetoken_sglang.kernels.fp4_gemm import fp4_fused_moe_gemm
+    from freetoken_sglang.kernels.residency import remap_expert_ids_
+    from freetoken_sglang.patches.fused_moe import gemm_replaced
+
+    cfg = layer.moe_runner_config
+    num_experts = layer.w13_weight.shape[0]
+    c13, c2 = slot_banks["w13_weight"], slot_banks["w2_weight"]
+    S, N, half_h = c13.shape
+    H, I = 2 * half_h, 2 * c2.shape[2]
+    dtype, dev = hidden_states.dtype, hidden_states.device
+    # B as SGLang's sequence sees it: the dequantized banks' shapes, no memory (stride 0)
+    ph13 = torch.empty((), dtype=dtype, device=dev).expand(S, N, H)
+    ph2 = torch.empty((), dtype=dtype, device=dev).expand(S, H, I)
+    banks = {id(ph13): "w13", id(ph2): "w2"}
+    config, down_config, _, sorted_token_ids, expert_ids, post_padded = _prepare_fused_moe_run(
+        hidden_states,
+        torch.empty((num_experts, N, H), dtype=dtype, device="meta"),
+        torch.empty((num_experts, H, I), dtype=dtype, device="meta"),
+        routed_ids, use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
+        use_int4_w4a16=False, per_channel_quant=False, block_shape=None,
+    )
+    if layer_slots is not None:
+        remap_expert_ids_(expert_ids, layer_slots)
+    filter_expert = skip_negative_ids or (
+        cfg.num_experts is None or cfg.num_experts != cfg.num_local_experts)
+
+    def replacing(original):
+        def invoke(A, B, bias, C, A_scale, B_scale, B_zp, topk_weights, topk_ids,
+                   sorted_ids, block_experts, num_post_padded, mul_routed_weight, top_k,
+                   config, compute_type, *args, c_sorted=False, filter_expert=True,
+                   a_use_tma=False, b_use_tma=False, **kwargs):
+            p = banks.get(id(B))
+            if p is None or a_use_tma or b_use_tma or kwargs.get("fuse_sum_all_reduce"):
+                return original(A, B, bias, C, A_scale, B_scale, B_zp, topk_weights,
+                                topk_ids, sorted_ids, block_experts, num_post_padded,
+                                mul_routed_weight, top_k, config, compute_type, *args,
+                                c_sorted=c_sorted, filter_expert=filter_expert,
+                                a_use_tma=a_use_tma, b_use_tma=b_use_tma, **kwargs)
+            fp4_fused_moe_gemm(
+                A, slot_banks[f"{p}_weight"], slot_banks[f"{p}_weight_scale"],
+                slot_banks.get(f"{p}_weight_scale_2"), bias, C, topk_weights, topk_ids,
+                sorted_ids, block_experts, num_post_padded, mul_routed_weight, top_k, config,
+                compute_type, c_sorted=c_sorted, filter_expert=filter_expert)
+        return invoke
+
+    with gemm_replaced(replacing):
+        return _fused_moe_kernel_sequence(
+            hidden_states, ph13, ph2, topk_weights, routed_ids, sorted_token_ids,
+            expert_ids, post_padded, config, down_config, False,
+            b1=slot_banks.get("w13_weight_bias"), b2=slot_banks.get("w2_weight_bias"),
+            use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
+            use_int4_w4a16=False, per_channel_quant=False, w1_scale=None, w2_scale=None,
+            w1_zp=None, w2_zp=None, a1_scale=None, a2_scale=None, block_shape=None,
+            activation=cfg.activation, is_gated=cfg.is_gated, no_combine=cfg.no_combine,
+            inplace=cfg.inplace if inplace is None else inplace,
+            apply_router_weight_on_input=cfg.apply_router_weight_on_input,
+            routed_scaling_factor=cfg.routed_scaling_factor, gemm1_alpha=cfg.gemm1_alpha,
+            gemm1_limit=cfg.gemm1_clamp_limit, filter_expert=filter_expert, hooks=None,
+            swiglu_limit=cfg.swiglu_limit, gate_up_interleaved=cfg.gate_up_interleaved,
+        )
+
+
 def run_on_slots_native(
     layer,
     hidden_states: torch.Tensor,
