@@ -10,7 +10,6 @@ straight into the final host layout; its ``apply`` hands each layer call to one 
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import threading
 
