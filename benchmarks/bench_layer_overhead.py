@@ -14,8 +14,10 @@ resident, slots, lru) the excess over stock SGLang's ``fused_experts`` on the la
 - ``slots``: the LRU path's MoE over slots (token alignment, remap to slots, the GEMMs);
 - ``decide``, ``fill``, ``remap``: the decision kernel, the fill launch with nothing to
   fill, the remap kernel alone;
-- ``lru``: the decode executor's whole all-hit call under the fill policy (decide, fill,
-  slots);
+- ``lru``: ``DecodeExecutor.run``'s whole all-hit call under the fill policy (decide, then
+  the alignment, the fill launch that also remaps the block ids, the GEMMs); ``lru-sep``:
+  the same with the fill before the alignment and the remap a kernel of its own (as before
+  they were one launch: the A/B of that change);
 - ``qstar``: ``DecodeExecutor.run``'s whole all-hit call under q* with the admission rule
   (``MissSplit.may_run_cpu``: CPU entries masked, ``filter_expert``) and the doorbell CPU
   branch, which has no CPU item to run: its post and merge folded into the decision kernel
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
     from sglang.srt.layers.moe.topk import StandardTopKOutput
     from types import SimpleNamespace
 
-    from freetoken_sglang.cache.residency import MissSplit, ResidencyState, decide
+    from freetoken_sglang.cache.residency import FILL_ALL, MissSplit, ResidencyState, decide
     from freetoken_sglang.cpu.branch import CpuBranch
     from freetoken_sglang.cpu.executor import CpuExpertExecutor
     from freetoken_sglang.execute.contract import LayerCall
@@ -155,12 +157,13 @@ def main(argv=None) -> int:
     names = list(slots)
     cache = SimpleNamespace(
         residency=state, num_experts=E, slot_banks=slots, late=SimpleNamespace(pending=False),
-        filler=SimpleNamespace(run=lambda plan: copy_rows_banks(
+        filler=SimpleNamespace(run=lambda plan, remap=None: copy_rows_banks(
             [slots[n] for n in names], [slots[n] for n in names], plan.src, plan.dst,
-            plan.count)))
+            plan.count, remap=remap)))
     qstar_split = MissSplit(0.5, 1, admit_reuse=True)
     assert qstar_split.may_run_cpu
-    runtime = SimpleNamespace(cache=cache, split_for=lambda rows: qstar_split,
+    policy = {"split": qstar_split}
+    runtime = SimpleNamespace(cache=cache, split_for=lambda rows: policy["split"],
                               is_decode_sized=lambda rows: True, cpu_branch=branch,
                               counters=SimpleNamespace(of_phase=lambda phase: counters))
     executor = DecodeExecutor(runtime)
@@ -182,10 +185,15 @@ def main(argv=None) -> int:
                            topk_output=topk) for o in range(L)]
 
         def qstar(i, fold=True):
+            policy["split"] = qstar_split
             branch.fold = fold
             executor.run(calls[i % L])
 
         def lru(i):
+            policy["split"] = FILL_ALL
+            executor.run(calls[i % L])
+
+        def lru_sep(i):
             o = i % L
             d = decide(state, counters, o, E, ids, w, num_valid)
             copy_rows_banks([slots[n] for n in names], [slots[n] for n in names],
@@ -226,6 +234,7 @@ def main(argv=None) -> int:
                                               [slots[n] for n in names], src, src, count),
             "remap": lambda i: remap_expert_ids_(expert_ids, state.layer_slots(i % L, E)),
             "lru": lru,
+            "lru-sep": lru_sep,
             "qstar": qstar,
             "qstar-sep": lambda i: qstar(i, fold=False),
             "decide-miss": lambda i: decide(miss_state, miss_counters, i % LM, E, ids, w,
@@ -275,7 +284,7 @@ def main(argv=None) -> int:
         json.dump({"args": vars(a), "us_per_layer_call": rows,
                    "device": torch.cuda.get_device_name()}, f, indent=1)
     # whole MoE calls: their excess over stock
-    whole = ("stock", "resident", "slots", "lru", "qstar", "qstar-sep")
+    whole = ("stock", "resident", "slots", "lru", "lru-sep", "qstar", "qstar-sep")
     print("| path | " + " | ".join(f"bs{T} us/call | bs{T} over stock" for T in rows) + " |")
     print("|---|" + "---:|---:|" * len(rows))
     for name in rows[next(iter(rows))]:

@@ -1,6 +1,7 @@
 """Triton kernels that copy planned expert rows from the pinned host pool into GPU slots
 through unified virtual addressing (the ``uva`` fill of ``freetoken_sglang/cache/fills.py``):
-every bank of a fill in one launch (``copy_rows_banks``)."""
+every bank of a fill in one launch (``copy_rows_banks``), which can also rewrite a call's
+per-block expert ids to slot ids (the remap of ``kernels/residency.py``), saving its launch."""
 
 from __future__ import annotations
 
@@ -73,8 +74,23 @@ def _copy_banks_kernel(
     src_idx_ptr,
     dst_idx_ptr,
     count_ptr,
+    ids_ptr,  # int [n_ids] per-block expert ids rewritten to slots (REMAP)
+    n_ids,
+    layer_slots_ptr,  # int32 [num_experts] slot of each local expert (REMAP)
+    num_experts,
     BLOCK: tl.constexpr,
+    REMAP: tl.constexpr,
+    REMAP_BLOCK: tl.constexpr,
 ):
+    if REMAP:  # as _remap_kernel (keep_negative=False), the ids spread over the programs
+        for i0 in range(tl.program_id(0) * REMAP_BLOCK, n_ids,
+                        tl.num_programs(0) * REMAP_BLOCK):
+            offs = i0 + tl.arange(0, REMAP_BLOCK)
+            m = offs < n_ids
+            x = tl.load(ids_ptr + offs, mask=m, other=-1)
+            ok = m & (x >= 0) & (x < num_experts)
+            slot = tl.load(layer_slots_ptr + tl.where(ok, x, 0), mask=ok, other=0)
+            tl.store(ids_ptr + offs, tl.maximum(slot, 0).to(x.dtype), mask=ok)
     # The (row, chunk) work of every bank of the counted rows: a row's chunks are bank 0's,
     # then bank 1's, ...; banks past the used ones have no chunks.
     n = tl.load(count_ptr)
@@ -94,9 +110,17 @@ def _copy_banks_kernel(
             _copy_chunk(s3, d3, r3, s, d, c - c0 - c1 - c2, BLOCK)
 
 
-def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count) -> None:
+# Expert ids a program of the fill rewrites per step of its remap loop
+_REMAP_BLOCK = 128
+
+
+def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count, remap=None) -> None:
     """``dsts[b][dst_idx[i]] = srcs[b][src_idx[i]]`` for every bank ``b`` and ``i < count[0]``,
     in one kernel launch per ``MAX_BANKS`` banks (indices and count read on the device).
+    With ``remap = (expert_ids, layer_slots)`` the first launch also does
+    ``residency.remap_expert_ids_(expert_ids, layer_slots)`` (SGLang's per-block expert ids
+    to slot ids; -1 stays, an expert without a slot reads slot 0), so a decode call's fill and
+    remap are one launch. The remap reads ``layer_slots`` only, never the copied rows.
 
     Args:
         srcs, dsts: equal-length sequences of banks as for ``copy_rows`` (``[R, ...]`` UVA
@@ -104,6 +128,8 @@ def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count) -> None:
             dtype per bank).
         src_idx, dst_idx: int32 ``[K]`` on the device.
         count: int32 ``[1]`` on the device, at most ``K``.
+        remap: optional ``(expert_ids, layer_slots)``: contiguous int ``[N]`` ids rewritten
+            in place, int32 ``[E]`` slots, on the banks' device.
 
     Raises:
         ValueError: a bank's rows differ between source and destination, or a bank is not
@@ -113,6 +139,10 @@ def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count) -> None:
     if len(srcs) != len(dsts):
         raise ValueError(f"copy_rows_banks: {len(srcs)} source banks, {len(dsts)} destinations")
     k = src_idx.numel()
+    if remap is not None and (k == 0 or not srcs):
+        from freetoken_sglang.kernels.residency import remap_expert_ids_
+
+        remap_expert_ids_(*remap)
     if k == 0 or not srcs:
         return
     banks = []
@@ -133,4 +163,13 @@ def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count) -> None:
         while len(args) < 4 * MAX_BANKS:  # unused banks: no chunks
             args += args[:2] + [0, 0]
         grid = (min(k * total, _max_programs(dsts[start].device)),)
-        _copy_banks_kernel[grid](*args, src_idx, dst_idx, count, BLOCK=_BLOCK)
+        if start == 0 and remap is not None:
+            ids, layer_slots = remap
+            if not ids.is_contiguous():
+                raise ValueError("copy_rows_banks: remap needs contiguous expert ids")
+            extra = (ids, ids.numel(), layer_slots, layer_slots.numel())
+        else:  # (unused: REMAP is off)
+            extra = (src_idx, 0, src_idx, 0)
+        _copy_banks_kernel[grid](*args, src_idx, dst_idx, count, *extra, BLOCK=_BLOCK,
+                                 REMAP=start == 0 and remap is not None,
+                                 REMAP_BLOCK=_REMAP_BLOCK)

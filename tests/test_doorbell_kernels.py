@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl  # noqa: F401  (the interpreter wants it beside a jit function)
 
+from conftest import remap_only
+
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels in the Triton interpreter")
 
@@ -288,7 +290,7 @@ def test_decode_executor_runs_the_doorbell_end_to_end(doorbell, monkeypatch,
         rt = SimpleNamespace(
             cache=SimpleNamespace(residency=state, num_experts=E, slot_banks=slots,
                                   late=SimpleNamespace(pending=False),
-                                  filler=SimpleNamespace(run=lambda plan: None)),
+                                  filler=SimpleNamespace(run=remap_only)),
             split_for=lambda rows: MissSplit(0.0, 0), is_decode_sized=lambda rows: True,
             counters=SimpleNamespace(of_phase=lambda phase: counters),
             num_valid=torch.tensor([T], dtype=torch.int32), cpu_branch=branch)

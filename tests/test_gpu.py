@@ -9,6 +9,8 @@ import random
 import pytest
 import torch
 
+from conftest import remap_only
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -309,6 +311,23 @@ def test_moe_on_slots_is_bit_identical_to_stock(num_tokens, published_server_arg
         layer, x.clone(), weights, ids, perm, {"w13_weight": slot_w13, "w2_weight": slot_w2}
     )
     assert torch.equal(got, want)
+    # The decode executor's order: empty slots filled by a fill launched after the token
+    # alignment, whose launch also remaps the block ids (kernels/fill.py).
+    from freetoken_sglang.kernels.fill import copy_rows_banks
+
+    empty = {"w13_weight": torch.zeros_like(slot_w13), "w2_weight": torch.zeros_like(slot_w2)}
+    pool = {"w13_weight": w13, "w2_weight": w2}
+    rows = torch.arange(E, dtype=torch.int32, device="cuda")
+    count = torch.tensor([E], dtype=torch.int32, device="cuda")
+    launched = []
+
+    def fill(remap):
+        launched.append(remap is not None)
+        copy_rows_banks([pool[n] for n in empty], [empty[n] for n in empty], rows, perm,
+                        count, remap=remap)
+
+    got = run_on_slots_triton(layer, x.clone(), weights, ids, perm, empty, fill=fill)
+    assert launched == [True] and torch.equal(got, want)
     # Every expert resident (execute/resident.py): the layer's own rows of a larger bank,
     # with no remap.
     big = {n: torch.zeros(3 * E, *w.shape[1:], device="cuda", dtype=w.dtype)
@@ -770,7 +789,7 @@ def test_cpu_branch_doorbell_runs_only_with_cpu_items(top_k, published_server_ar
         rt = SimpleNamespace(
             cache=SimpleNamespace(residency=state, num_experts=E, slot_banks=slots,
                                   late=SimpleNamespace(pending=False),
-                                  filler=SimpleNamespace(run=lambda plan: None)),
+                                  filler=SimpleNamespace(run=remap_only)),
             split_for=lambda rows: MissSplit(0.0, 0), is_decode_sized=lambda rows: True,
             counters=SimpleNamespace(of_phase=lambda phase: counters),
             num_valid=torch.tensor([T], dtype=torch.int32, device="cuda"), cpu_branch=branch)

@@ -50,9 +50,11 @@ class Filler:
                 "a GPU expert cache needs the host pool pinned and mapped (HostExpertPool.pin)"
             )
 
-    def run(self, plan: FillPlan) -> None:
+    def run(self, plan: FillPlan, remap=None) -> None:
         """Copy pool row ``plan.src[i]`` into slot ``plan.dst[i]`` of every bank, for
-        ``i < plan.count[0]``."""
+        ``i < plan.count[0]``. ``remap = (expert_ids, layer_slots)`` also rewrites a call's
+        per-block expert ids to slot ids (``kernels.residency.remap_expert_ids_``), in the
+        fill's own launch under ``uva``."""
         if self.mode == "uva":
             from freetoken_sglang.kernels.fill import copy_rows_banks
 
@@ -60,16 +62,20 @@ class Filler:
             copy_rows_banks(
                 [self.device_pool_banks[n] for n in names],
                 [self.slot_banks[n] for n in names],
-                plan.src, plan.dst, plan.count,
+                plan.src, plan.dst, plan.count, remap=remap,
             )
-        else:
-            n = int(plan.count.item())
-            src = plan.src[:n].tolist()
-            dst = plan.dst[:n].tolist()
-            for name, slots in self.slot_banks.items():
-                pool = self.pool_banks[name]
-                for s, d in zip(src, dst):
-                    slots[d].copy_(pool[s], non_blocking=False)
+            return
+        if remap is not None:
+            from freetoken_sglang.kernels.residency import remap_expert_ids_
+
+            remap_expert_ids_(*remap)
+        n = int(plan.count.item())
+        src = plan.src[:n].tolist()
+        dst = plan.dst[:n].tolist()
+        for name, slots in self.slot_banks.items():
+            pool = self.pool_banks[name]
+            for s, d in zip(src, dst):
+                slots[d].copy_(pool[s], non_blocking=False)
 
     def fill_all(self) -> None:
         """Copy the whole pool into slots ``0 .. L*E-1`` (a cache that holds every expert)."""

@@ -68,9 +68,13 @@ class DecodeExecutor:
             # A forward that can stamp every other slot after a late fill may choose its slot
             # as a victim again: this call's fills then wait for the late copies (same link).
             cache.late.wait()
-        cache.filler.run(decision.plan)
-        if decision.late is not None:  # the late fill: after this call, not waited for
-            cache.late.launch(decision.late)
+
+        def fill(remap):
+            # launched by run_on_slots after the token alignment, remapping its block ids
+            cache.filler.run(decision.plan, remap=remap)
+            if decision.late is not None:  # the late fill: after this call, not waited for
+                cache.late.launch(decision.late)
+
         # with the doorbell, the MoE's sum over top-k awaits and merges the CPU partial
         with branch.merging_reduce() if on_cpu else contextlib.nullcontext():
             out = run_on_slots(
@@ -79,6 +83,7 @@ class DecodeExecutor:
                 cache.residency.layer_slots(call.ordinal, cache.num_experts),
                 cache,
                 skip_negative_ids=on_cpu,
+                fill=fill,
             )
         if on_cpu:
             out = branch.merge(out)  # nothing left to launch where the sum merged it

@@ -19,7 +19,7 @@ has its experts dequantized first and runs SGLang's kernels over them
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -46,6 +46,7 @@ def run_on_slots_triton(
     slot_banks: Dict[str, torch.Tensor],
     skip_negative_ids: bool = False,
     inplace: Optional[bool] = None,
+    fill: Optional[Callable[[Optional[tuple]], None]] = None,
 ) -> torch.Tensor:
     """The layer's routed-expert output, computed from the slots (CUDA).
 
@@ -64,6 +65,10 @@ def run_on_slots_triton(
             and scales).
         inplace: overrides the runner config's ``inplace`` (False keeps ``hidden_states``
             intact, for executors that run one call in several passes).
+        fill: the call's pending fill (``Filler.run`` of its plan), launched here before
+            any kernel reads a slot: after the token alignment, given ``(expert_ids,
+            layer_slots)`` to remap in its own launch (one launch fewer), or first with
+            ``None`` on the FP4 paths.
 
     FP4 slots: at most ``DIRECT_FP4_MAX_PAIRS`` pairs (``routed_ids.numel()``, a static
     shape), bf16/fp16 activations, a silu-gated activation (``fp4_moe.activation_code``)
@@ -84,6 +89,9 @@ def run_on_slots_triton(
     tq = getattr(getattr(layer, "quant_method", None), "triton_quant", _UNQUANTIZED)
     if tq is None:  # a format without GPU slot kernels (refused at start; never reached)
         raise RuntimeError("FreeToken: no GPU slot kernels for this layer's expert format")
+    if fill is not None and (tq.dequantized or layer_slots is None):
+        fill(None)
+        fill = None
     if tq.dequantized:  # FP4: decode-sized calls read the codes in place, others dequantize
         act = _direct_fp4_activation(tq, cfg, hidden_states, routed_ids)
         if act is not None:
@@ -106,7 +114,9 @@ def run_on_slots_triton(
         ids,
         **quant,
     )
-    if layer_slots is not None:
+    if fill is not None:
+        fill((expert_ids, layer_slots))
+    elif layer_slots is not None:
         remap_expert_ids_(expert_ids, layer_slots)
     filter_expert = skip_negative_ids or (
         cfg.num_experts is None or cfg.num_experts != cfg.num_local_experts
@@ -437,6 +447,7 @@ def run_on_slots(
     cache,
     skip_negative_ids: bool = False,
     inplace: Optional[bool] = None,
+    fill: Optional[Callable[[Optional[tuple]], None]] = None,
 ) -> torch.Tensor:
     """``run_on_slots_triton`` on CUDA, ``run_on_slots_native`` elsewhere, over every row of
     the cache's slot banks (LRU slots and prefill buffers alike).
@@ -449,6 +460,7 @@ def run_on_slots(
         skip_negative_ids: some ids may be -1.
         inplace: as in ``run_on_slots_triton`` (CUDA only; the native path never writes
             its input).
+        fill: as in ``run_on_slots_triton`` (the native path launches it first).
     """
     if call.x.is_cuda:
         return run_on_slots_triton(
@@ -460,7 +472,10 @@ def run_on_slots(
             cache.slot_banks,
             skip_negative_ids=skip_negative_ids,
             inplace=inplace,
+            fill=fill,
         )
+    if fill is not None:
+        fill(None)
     return run_on_slots_native(
         call.layer,
         call.x,
