@@ -1,4 +1,4 @@
-"""SGLang 0.5.17's top-k sum and GEMM launcher in its Triton fused-MoE sequence, swapped per call.
+"""SGLang 0.5.17's sum over top-k in its Triton fused-MoE sequence, replaced for one MoE call.
 
 The module: ``sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe``.
 
@@ -9,9 +9,7 @@ elsewhere its ``moe_sum_reduce_triton``; each takes ``(expert_out [T, k, H], out
 routed_scaling_factor)``. ``sum_reduce_replaced`` swaps those globals for the duration of a
 ``with`` block and restores them after, so it acts on the one MoE call inside it (the CPU
 branch's merge, ``cpu/branch.py``); it is Python only, so a CUDA graph captured inside records
-the replacement's kernels. ``gemm_replaced`` swaps its ``invoke_fused_moe_kernel`` global the
-same way (FP4 slots: ``kernels/fp4_gemm.py``). They register no ``Hook``: nothing changes
-outside the block.
+the replacement's kernels. It registers no ``Hook``: nothing changes outside the block.
 """
 
 from __future__ import annotations
@@ -39,21 +37,6 @@ def sum_reduce_replaced(make: Callable[[Callable], Callable]):
     finally:
         for name, original in saved.items():
             setattr(fused_moe, name, original)
-
-
-@contextlib.contextmanager
-def gemm_replaced(make: Callable[[Callable], Callable]):
-    """Inside the block, SGLang's ``invoke_fused_moe_kernel`` as its ``fused_moe`` module calls
-    it (both GEMMs of ``_fused_moe_kernel_sequence``) is ``make(original)``, a function of the
-    same arguments; restored on exit, also on error."""
-    from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe
-
-    original = fused_moe.invoke_fused_moe_kernel
-    fused_moe.invoke_fused_moe_kernel = make(original)
-    try:
-        yield
-    finally:
-        fused_moe.invoke_fused_moe_kernel = original
 
 
 HOOKS: List[Hook] = []

@@ -186,27 +186,6 @@ def test_fp4_direct_kernels_in_the_interpreter(label, monkeypatch):
 
 
 
-@needs_interpreter
-@pytest.mark.parametrize("label", ["mxfp4", "nvfp4"])
-def test_fp4_gemm_in_sglangs_sequence_is_its_dequantized_arithmetic(label, monkeypatch,
-                                                                    published_server_args):
-    """``slot_moe._run_fp4_gemm`` (SGLang's kernel sequence, its two GEMMs launched by
-    ``kernels/fp4_gemm.py``, which decodes the B tiles in registers) equals
-    ``_run_dequantized`` (the same sequence over dequantized copies) bit for bit: the same
-    tiles, K blocks and epilogue, K not a multiple of the block (masked tails), a -1 entry,
-    the GPT-OSS and the silu paths. (In the interpreter ``tl.dot`` is a numpy product per
-    tile: the GPU's MMA chain is checked on a GPU.)"""
-    from freetoken_sglang.execute import slot_moe
-
-    sglang_in_the_interpreter(monkeypatch)
-    c = fp4_case(label, 3, "cpu")
-    tq = c.layer.quant_method.triton_quant
-    args = (c.layer, tq, c.x, c.weights, c.ids, c.layer_slots, c.slots, True, False)
-    got = slot_moe._run_fp4_gemm(*args)
-    want = slot_moe._run_dequantized(*args)
-    assert torch.equal(got, want)
-
-
 @triton.jit
 def _decode_every_byte(out_ptr):
     byte = tl.arange(0, 256)
