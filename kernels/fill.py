@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken_sglang.kernels.residency import remap_block, remap_expert_ids_
+
 _BLOCK = 4096
 
 
@@ -82,15 +84,11 @@ def _copy_banks_kernel(
     REMAP: tl.constexpr,
     REMAP_BLOCK: tl.constexpr,
 ):
-    if REMAP:  # as _remap_kernel (keep_negative=False), the ids spread over the programs
+    if REMAP:  # remap_expert_ids_ (keep_negative=False), the ids spread over the programs
         for i0 in range(tl.program_id(0) * REMAP_BLOCK, n_ids,
                         tl.num_programs(0) * REMAP_BLOCK):
-            offs = i0 + tl.arange(0, REMAP_BLOCK)
-            m = offs < n_ids
-            x = tl.load(ids_ptr + offs, mask=m, other=-1)
-            ok = m & (x >= 0) & (x < num_experts)
-            slot = tl.load(layer_slots_ptr + tl.where(ok, x, 0), mask=ok, other=0)
-            tl.store(ids_ptr + offs, tl.maximum(slot, 0).to(x.dtype), mask=ok)
+            remap_block(ids_ptr, i0 + tl.arange(0, REMAP_BLOCK), n_ids, layer_slots_ptr,
+                        num_experts, False)
     # The (row, chunk) work of every bank of the counted rows: a row's chunks are bank 0's,
     # then bank 1's, ...; banks past the used ones have no chunks.
     n = tl.load(count_ptr)
@@ -129,19 +127,20 @@ def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count, remap=None) -> None:
         src_idx, dst_idx: int32 ``[K]`` on the device.
         count: int32 ``[1]`` on the device, at most ``K``.
         remap: optional ``(expert_ids, layer_slots)``: contiguous int ``[N]`` ids rewritten
-            in place, int32 ``[E]`` slots, on the banks' device.
+            in place, int32 ``[E]`` slots, on the banks' device (with no row to copy, K = 0
+            or no bank, ``remap_expert_ids_`` does it alone).
 
     Raises:
-        ValueError: a bank's rows differ between source and destination, or a bank is not
-            contiguous.
+        ValueError: a bank's rows differ between source and destination, a bank is not
+            contiguous, or the remap's expert ids are not.
     """
     srcs, dsts = list(srcs), list(dsts)
     if len(srcs) != len(dsts):
         raise ValueError(f"copy_rows_banks: {len(srcs)} source banks, {len(dsts)} destinations")
+    if remap is not None and not remap[0].is_contiguous():
+        raise ValueError("copy_rows_banks: remap needs contiguous expert ids")
     k = src_idx.numel()
     if remap is not None and (k == 0 or not srcs):
-        from freetoken_sglang.kernels.residency import remap_expert_ids_
-
         remap_expert_ids_(*remap)
     if k == 0 or not srcs:
         return
@@ -165,8 +164,6 @@ def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count, remap=None) -> None:
         grid = (min(k * total, _max_programs(dsts[start].device)),)
         if start == 0 and remap is not None:
             ids, layer_slots = remap
-            if not ids.is_contiguous():
-                raise ValueError("copy_rows_banks: remap needs contiguous expert ids")
             extra = (ids, ids.numel(), layer_slots, layer_slots.numel())
         else:  # (unused: REMAP is off)
             extra = (src_idx, 0, src_idx, 0)

@@ -293,9 +293,11 @@ def _decide_kernel(
 
 
 @triton.jit
-def _remap_kernel(expert_ids_ptr, n, layer_slots_ptr, num_experts, KEEP_NEGATIVE: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def remap_block(expert_ids_ptr, offs, n, layer_slots_ptr, num_experts,
+                KEEP_NEGATIVE: tl.constexpr):
+    """Rewrite ``expert_ids[offs]`` (``offs < n``) to ``layer_slots[id]``; ids outside
+    ``[0, num_experts)`` stay; a negative slot becomes 0 unless ``KEEP_NEGATIVE`` (also the
+    fill kernel's remap, ``kernels/fill.py``)."""
     m = offs < n
     x = tl.load(expert_ids_ptr + offs, mask=m, other=-1)
     ok = m & (x >= 0) & (x < num_experts)
@@ -303,6 +305,13 @@ def _remap_kernel(expert_ids_ptr, n, layer_slots_ptr, num_experts, KEEP_NEGATIVE
     if not KEEP_NEGATIVE:
         slot = tl.maximum(slot, 0)
     tl.store(expert_ids_ptr + offs, slot.to(x.dtype), mask=ok)
+
+
+@triton.jit
+def _remap_kernel(expert_ids_ptr, n, layer_slots_ptr, num_experts, KEEP_NEGATIVE: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    remap_block(expert_ids_ptr, offs, n, layer_slots_ptr, num_experts, KEEP_NEGATIVE)
 
 
 _Q_TABLES = {}

@@ -9,8 +9,6 @@ import random
 import pytest
 import torch
 
-from conftest import remap_only
-
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -719,6 +717,7 @@ def test_cpu_branch_doorbell_runs_only_with_cpu_items(top_k, published_server_ar
     from freetoken_sglang.execute.decode import DecodeExecutor
     from freetoken_sglang.execute.slot_moe import run_on_slots_triton
     from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
+    from freetoken_sglang.kernels.fill import copy_rows_banks
     from freetoken_sglang.patches.fused_moe import sum_reduce_replaced
 
     E, H, I, T, k, bf16 = 8, 2048, 128, 3, top_k, torch.bfloat16
@@ -753,13 +752,18 @@ def test_cpu_branch_doorbell_runs_only_with_cpu_items(top_k, published_server_ar
         w.copy_(torch.rand(T, k, generator=g))
         x.copy_(torch.randn(T, H, generator=g).to(bf16))
 
+    def fill_nothing(plan, remap=None):
+        # the fill kernel itself (its plans are empty: MissSplit(0, 0)), remap and all
+        copy_rows_banks([slots[n] for n in slots], [slots[n] for n in slots], plan.src,
+                        plan.dst, plan.count, remap=remap)
+
     with CpuExpertExecutor(pool.banks, num_threads=4) as ex:
         branch = CpuBranch(ex, torch.device("cuda"), H, k, bf16, max_rows=4)
         assert branch.mode == "doorbell" and branch.fold
         rt = SimpleNamespace(
             cache=SimpleNamespace(residency=state, num_experts=E, slot_banks=slots,
                                   late=SimpleNamespace(pending=False),
-                                  filler=SimpleNamespace(run=remap_only)),
+                                  filler=SimpleNamespace(run=fill_nothing)),
             split_for=lambda rows: MissSplit(0.0, 0), is_decode_sized=lambda rows: True,
             counters=SimpleNamespace(of_phase=lambda phase: counters),
             num_valid=torch.tensor([T], dtype=torch.int32, device="cuda"), cpu_branch=branch)

@@ -68,7 +68,7 @@ def run_on_slots_triton(
         fill: the call's pending fill (``Filler.run`` of its plan), launched here before
             any kernel reads a slot: after the token alignment, given ``(expert_ids,
             layer_slots)`` to remap in its own launch (one launch fewer), or first with
-            ``None`` on the FP4 paths.
+            ``None`` on the FP4 paths and without ``layer_slots``.
 
     FP4 slots: at most ``DIRECT_FP4_MAX_PAIRS`` pairs (``routed_ids.numel()``, a static
     shape), bf16/fp16 activations, a silu-gated activation (``fp4_moe.activation_code``)
