@@ -23,6 +23,8 @@ resident, slots, lru) the excess over stock SGLang's ``fused_experts`` on the la
   branch, which has no CPU item to run: its post and merge folded into the decision kernel
   and the MoE's sum (``CpuBranch.fold``); ``qstar-sep``: the same with the post and the
   merge as kernels of their own, as before they were folded (the A/B of that change);
+- ``decide-full``: ``decide`` without the decision kernel's hit path (``DECIDE_HIT_PATH``
+  off: the q table read and the CPU routing's reduction on every call);
 - ``decide-q``, ``decide-q-post``: the decision kernel under q*'s split (the admission rule),
   without and with the doorbell post; ``slots-neg``: ``slots`` with ``filter_expert`` (CPU
   entries masked); ``slots-merge``: that with the doorbell's merging sum in place of SGLang's
@@ -200,6 +202,13 @@ def main(argv=None) -> int:
                             d.plan.src, d.plan.dst, d.plan.count)
             run_on_slots_triton(layers[o], x, w, d.routed_ids, state.layer_slots(o, E), slots)
 
+        def decide_full(i):
+            residency_kernels.DECIDE_HIT_PATH = False
+            try:
+                decide(state, counters, i % L, E, ids, w, num_valid)
+            finally:
+                residency_kernels.DECIDE_HIT_PATH = True
+
         def slots_merge(i):
             # the q* path's MoE alone: CPU entries masked (filter_expert) and its sum-reduce
             # replaced by the doorbell's reduce_merge with no CPU item (count 0)
@@ -222,6 +231,7 @@ def main(argv=None) -> int:
             "slots": lambda i: run_on_slots_triton(layers[i % L], x, w, ids,
                                                    state.layer_slots(i % L, E), slots),
             "decide": lambda i: decide(state, counters, i % L, E, ids, w, num_valid),
+            "decide-full": decide_full,
             "decide-q": lambda i: decide(state, counters, i % L, E, ids, w, num_valid,
                                          qstar_split),
             "decide-q-post": lambda i: decide(state, counters, i % L, E, ids, w, num_valid,

@@ -9,8 +9,9 @@ branch (``kernels/doorbell.py``): the items, x's rows, the count, then the ring.
 One launch per layer call, no host sync, fixed shapes: decode CUDA graphs capture it. A
 slot's LRU key is ``stamp * S + slot``, so the least recently used slot is simply the
 smallest key; a chosen victim is re-keyed with the current stamp, so the next search skips
-it. Calls with no miss never scan the slots (with the admission or the re-miss rule, a call
-with misses scans them once more for the least recently used stamp). Results are identical to
+it. Calls with no miss never scan the slots nor read the q table, and calls with no CPU item
+skip the CPU routing (the hit path; with the admission or the re-miss rule, a call with
+misses scans the slots once more for the least recently used stamp). Results are identical to
 the torch reference in ``freetoken_sglang/cache/residency.py``.
 """
 
@@ -39,6 +40,10 @@ from freetoken_sglang.kernels.doorbell import DoorbellPost, _post_tail, check_po
 # --decide-configs; benchmarks/RESULTS.md, session 17).
 DECIDE_BLOCK = 32
 DECIDE_WARPS = 1
+# Calls without a miss (or without a CPU item) skip the q table's load and the CPU routing's
+# per-entry reduction; False runs every call through them (bench_layer_overhead.py's
+# decide-full, the A/B of the hit path)
+DECIDE_HIT_PATH = True
 _SLOT_BLOCK = 1024
 # The most x elements per step of the doorbell post's copy in the decision program (one warp:
 # 64 a thread; other sizes not measured); a step copies within one row
@@ -106,6 +111,7 @@ def _decide_kernel(
     POST: tl.constexpr,  # post a call with CPU items to the doorbell (decide(post=))
     POST_BLOCK: tl.constexpr,  # x elements per step of the post's copy (a row's at most)
     POST_FENCE: tl.constexpr,  # the post's fence over this many elements: every thread
+    HIT_PATH: tl.constexpr,  # calls without misses skip the q table and the CPU routing
 ):
     e = tl.arange(0, E_PAD)
     nv = tl.load(num_valid_ptr)
@@ -179,7 +185,12 @@ def _decide_kernel(
     # the host in double precision (``fill_count_after``): the kernel's float scalars are fp32.
     n_forced = tl.sum(forced.to(tl.int32), axis=0)
     n_rest = tl.sum(rest.to(tl.int32), axis=0)
-    q_rest = tl.load(q_table_ptr + n_forced * (num_experts + 1) + n_rest)
+    # (a call without misses fills nothing whatever the table says: no load, no wait on it)
+    if HIT_PATH:
+        need_q = n_miss > 0
+    else:
+        need_q = n_miss >= 0
+    q_rest = tl.load(q_table_ptr + n_forced * (num_experts + 1) + n_rest, mask=need_q, other=0)
     q_rest = tl.minimum(q_rest, tl.sum(eligible.to(tl.int32), axis=0))
     erank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
     fillm = forced | (eligible & (erank < q_rest))
@@ -205,7 +216,7 @@ def _decide_kernel(
         # they keep running on the CPU, and get slots now (row 0 of the table: fill_count).
         # LATE_ALL: every other CPU run the admission rule admits (all without it) too. The
         # late fills take the victims after the call's own fills.
-        q_base = tl.load(q_table_ptr + n_miss)
+        q_base = tl.load(q_table_ptr + n_miss, mask=need_q, other=0)
         latem = miss & ((q == 0) & (q_base == 0))
         if LATE_ALL:
             if ADMIT:
@@ -252,7 +263,19 @@ def _decide_kernel(
     # Routing for the GPU compute (padded rows take row 0's experts, CPU entries -1) and
     # the CPU work items, compacted in row-major order.
     n_items = n_miss * 0
-    for start in range(0, n_entries, BLOCK):
+    n_full = n_entries + n_items  # the entries the CPU routing below goes over
+    if HIT_PATH:
+        # No CPU item: the routing as it is (padded rows aside), without the per-entry
+        # reduction over the experts, the compaction and the item stores.
+        n_full = n_full * (n_cpu > 0).to(tl.int32)
+        for start in range(0, n_entries - n_full, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inb = offs < n_entries
+            valid = inb & ((offs // top_k) < nv)
+            ids = tl.load(ids_ptr + offs, mask=inb, other=0)
+            row0 = tl.load(ids_ptr + (offs % top_k), mask=inb, other=0)
+            tl.store(ids_out_ptr + offs, tl.where(valid, ids, row0), mask=inb)
+    for start in range(0, n_full, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inb = offs < n_entries
         valid = inb & ((offs // top_k) < nv)
@@ -446,6 +469,7 @@ def decide_triton(
         POST=post is not None,
         POST_BLOCK=post_block,
         POST_FENCE=32 * DECIDE_WARPS,
+        HIT_PATH=DECIDE_HIT_PATH,
         num_warps=DECIDE_WARPS,
         enable_fp_fusion=False,  # the return rule's fp32 sums round as the reference's
     )

@@ -558,6 +558,66 @@ def test_no_slot_runs_every_expert_on_the_cpu():
     assert d.routed_ids.tolist() == [[-1, -1], [-1, -1]]
 
 
+def _assert_same_decision(da, db, a, b, step):
+    """Two decisions (and the states after them) are the same: plans, CPU items, routing,
+    late fills and every state tensor."""
+    assert torch.equal(da.routed_ids, db.routed_ids)
+    n = int(da.plan.count)
+    assert int(db.plan.count) == n
+    assert db.plan.src[:n].tolist() == da.plan.src[:n].tolist()
+    assert db.plan.dst[:n].tolist() == da.plan.dst[:n].tolist()
+    c = int(da.cpu.count)
+    assert int(db.cpu.count) == c
+    for f in ("rows", "experts"):
+        assert getattr(db.cpu, f)[:c].tolist() == getattr(da.cpu, f)[:c].tolist()
+    assert torch.allclose(db.cpu.weights[:c], da.cpu.weights[:c])
+    if da.late is not None:
+        nl = int(da.late.count)
+        assert int(db.late.count) == nl
+        assert db.late.src[:nl].tolist() == da.late.src[:nl].tolist()
+        assert db.late.dst[:nl].tolist() == da.late.dst[:nl].tolist()
+    for name in ("residency", "owner", "key", "clock", "last_use", "missed", "returns",
+                 "late"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("split", [FILL_ALL, ADMIT, RETURN, LATE],
+                         ids=["fill", "admit", "return", "late"])
+def test_hit_path_is_the_reference_and_the_full_path(split, monkeypatch):
+    """The decision kernel's hit path (``DECIDE_HIT_PATH``: a call without misses skips the q
+    table, one without CPU items the CPU routing) on a sequence where most calls hit: the
+    reference's decisions, and the same as the kernel with every call on the full path."""
+    from freetoken_sglang.cache.residency import decide_reference
+    from freetoken_sglang.kernels import residency as kern
+
+    rng = random.Random(7)
+    L, E, k, S = 2, 8, 2, 10
+    states = [ResidencyState(L * E, S, "cpu") for _ in range(3)]
+    counters = [torch.zeros(5, L, dtype=torch.int64) for _ in range(3)]
+    all_hit = with_cpu = 0
+    for step in range(24):
+        T = rng.choice([1, 3])
+        nv = torch.tensor([rng.randint(1, T)], dtype=torch.int32)
+        layer = rng.randrange(L)
+        hot = range(3) if rng.random() < 0.75 else range(E)  # mostly the same few experts
+        ids = torch.tensor([rng.sample(hot, k) for _ in range(T)], dtype=torch.int32)
+        w = torch.rand(T, k)
+        before = counters[0][:2, layer].clone()
+        want = decide_reference(states[0], counters[0], layer, E, ids, w, nv, split, 1.5)
+        reads, hits = (counters[0][:2, layer] - before).tolist()
+        all_hit += reads == hits
+        with_cpu += int(want.cpu.count) > 0
+        for hit_path, state, c in ((True, states[1], counters[1]),
+                                   (False, states[2], counters[2])):
+            monkeypatch.setattr(kern, "DECIDE_HIT_PATH", hit_path)
+            got = kern.decide_triton(state, c, layer, E, ids, w, nv, split, 1.5)
+            _assert_same_decision(want, got, states[0], state, step)
+    assert all(torch.equal(counters[0], c) for c in counters[1:])
+    assert all_hit >= 8 and all_hit < 24, all_hit  # both paths taken
+    assert with_cpu > 0 or not split.may_run_cpu
+
+
 @needs_interpreter
 @pytest.mark.parametrize("seed", list(range(len(SPLITS))) + ["admit-small"])
 def test_triton_kernel_matches_the_torch_reference(seed):
@@ -586,24 +646,7 @@ def test_triton_kernel_matches_the_torch_reference(seed):
         w = torch.rand(T, k)
         da = decide_reference(a, ca, layer, E, ids, w, nv, split, 1.5)
         db = decide_triton(b, cb, layer, E, ids, w, nv, split, 1.5)
-        assert torch.equal(da.routed_ids, db.routed_ids)
-        n = int(da.plan.count)
-        assert int(db.plan.count) == n
-        assert db.plan.src[:n].tolist() == da.plan.src[:n].tolist()
-        assert db.plan.dst[:n].tolist() == da.plan.dst[:n].tolist()
-        c = int(da.cpu.count)
-        assert int(db.cpu.count) == c
-        for f in ("rows", "experts"):
-            assert getattr(db.cpu, f)[:c].tolist() == getattr(da.cpu, f)[:c].tolist()
-        assert torch.allclose(db.cpu.weights[:c], da.cpu.weights[:c])
-        if split.late_fill:
-            nl = int(da.late.count)
-            assert int(db.late.count) == nl
-            assert db.late.src[:nl].tolist() == da.late.src[:nl].tolist()
-            assert db.late.dst[:nl].tolist() == da.late.dst[:nl].tolist()
-        for name in ("residency", "owner", "key", "clock", "last_use", "missed", "returns",
-                     "late"):
-            assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
+        _assert_same_decision(da, db, a, b, step)
     assert torch.equal(ca, cb)
     assert ca[3].sum() + ca[4].sum() > 0, "the sequence should evict or use the CPU"
     if split.late_fill and not split.fill_reused:
