@@ -140,9 +140,9 @@ def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count, remap=None) -> None:
     if remap is not None and not remap[0].is_contiguous():
         raise ValueError("copy_rows_banks: remap needs contiguous expert ids")
     k = src_idx.numel()
-    if remap is not None and (k == 0 or not srcs):
-        remap_expert_ids_(*remap)
     if k == 0 or not srcs:
+        if remap is not None:
+            remap_expert_ids_(*remap)
         return
     banks = []
     for src, dst in zip(srcs, dsts):  # every bank checked before any is copied

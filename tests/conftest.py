@@ -31,15 +31,6 @@ needs_interpreter = pytest.mark.skipif(
 )
 
 
-def remap_only(plan, remap=None):
-    """A ``Filler.run`` stand-in for caches whose plans fill nothing: it applies only the
-    block-id remap a decode call's fill carries (``kernels.fill.copy_rows_banks``)."""
-    if remap is not None:
-        from freetoken_sglang.kernels.residency import remap_expert_ids_
-
-        remap_expert_ids_(*remap)
-
-
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny")

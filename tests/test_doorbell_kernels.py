@@ -11,8 +11,6 @@ import torch
 import triton
 import triton.language as tl  # noqa: F401  (the interpreter wants it beside a jit function)
 
-from conftest import remap_only
-
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the kernels in the Triton interpreter")
 
@@ -202,7 +200,7 @@ def test_decode_executor_runs_the_doorbell_end_to_end(doorbell, monkeypatch,
     from freetoken_sglang.execute.contract import LayerCall
     from freetoken_sglang.execute.slot_moe import run_on_slots_triton
     from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
-    from freetoken_sglang.kernels.residency import decide_triton
+    from freetoken_sglang.kernels.residency import decide_triton, remap_expert_ids_
 
     # SGLang's CUDA-only pieces stand in (test_fp4_slots_interpreter.py); CPU tensors take the
     # executor's CUDA path
@@ -287,10 +285,16 @@ def test_decode_executor_runs_the_doorbell_end_to_end(doorbell, monkeypatch,
         branch._allocate(4, pin=False)
         branch._start_doorbell(4, mapped=False)
         branch.device = torch.device("cuda")  # (its GPU side: the interpreter's CPU tensors)
+        def fill_nothing(plan, remap=None):
+            # plans are empty (MissSplit(0, 0)): only the block-id remap the fill carries
+            assert int(plan.count) == 0
+            if remap is not None:
+                remap_expert_ids_(*remap)
+
         rt = SimpleNamespace(
             cache=SimpleNamespace(residency=state, num_experts=E, slot_banks=slots,
                                   late=SimpleNamespace(pending=False),
-                                  filler=SimpleNamespace(run=remap_only)),
+                                  filler=SimpleNamespace(run=fill_nothing)),
             split_for=lambda rows: MissSplit(0.0, 0), is_decode_sized=lambda rows: True,
             counters=SimpleNamespace(of_phase=lambda phase: counters),
             num_valid=torch.tensor([T], dtype=torch.int32), cpu_branch=branch)
