@@ -24,7 +24,8 @@ resident, slots, lru) the excess over stock SGLang's ``fused_experts`` on the la
   and the MoE's sum (``CpuBranch.fold``); ``qstar-sep``: the same with the post and the
   merge as kernels of their own, as before they were folded (the A/B of that change);
 - ``decide-full``: ``decide`` without the decision kernel's hit path (``DECIDE_HIT_PATH``
-  off: the q table read and the CPU routing's reduction on every call);
+  off: the q table read and the CPU routing's reduction on every call); ``decide-acqrel``:
+  ``decide`` with the counters' atomic adds fenced (``DECIDE_COUNTER_SEM="acq_rel"``);
 - ``decide-q``, ``decide-q-post``: the decision kernel under q*'s split (the admission rule),
   without and with the doorbell post; ``slots-neg``: ``slots`` with ``filter_expert`` (CPU
   entries masked); ``slots-merge``: that with the doorbell's merging sum in place of SGLang's
@@ -223,6 +224,13 @@ def main(argv=None) -> int:
                 run_on_slots_triton(layers[i % L], x, w, ids, state.layer_slots(i % L, E),
                                     slots, skip_negative_ids=True)
 
+        def decide_acqrel(i):
+            residency_kernels.DECIDE_COUNTER_SEM = "acq_rel"
+            try:
+                decide(state, counters, i % L, E, ids, w, num_valid)
+            finally:
+                residency_kernels.DECIDE_COUNTER_SEM = "relaxed"
+
         variants = {
             "stock": lambda i: fused_experts(x, per_layer[i % L]["w13_weight"],
                                              per_layer[i % L]["w2_weight"], topk, cfg),
@@ -232,6 +240,7 @@ def main(argv=None) -> int:
                                                    state.layer_slots(i % L, E), slots),
             "decide": lambda i: decide(state, counters, i % L, E, ids, w, num_valid),
             "decide-full": decide_full,
+            "decide-acqrel": decide_acqrel,
             "decide-q": lambda i: decide(state, counters, i % L, E, ids, w, num_valid,
                                          qstar_split),
             "decide-q-post": lambda i: decide(state, counters, i % L, E, ids, w, num_valid,

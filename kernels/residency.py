@@ -44,6 +44,10 @@ DECIDE_WARPS = 1
 # per-entry reduction; False runs every call through them (bench_layer_overhead.py's
 # decide-full, the A/B of the hit path)
 DECIDE_HIT_PATH = True
+# The counters' atomic adds: relaxed (no fence; the host reads them after a sync), or Triton's
+# default "acq_rel", whose fences serialize the five adds behind every earlier store
+# (bench_layer_overhead.py's decide-acqrel, the A/B)
+DECIDE_COUNTER_SEM = "relaxed"
 _SLOT_BLOCK = 1024
 # The most x elements per step of the doorbell post's copy in the decision program (one warp:
 # 64 a thread; other sizes not measured); a step copies within one row
@@ -112,9 +116,16 @@ def _decide_kernel(
     POST_BLOCK: tl.constexpr,  # x elements per step of the post's copy (a row's at most)
     POST_FENCE: tl.constexpr,  # the post's fence over this many elements: every thread
     HIT_PATH: tl.constexpr,  # calls without misses skip the q table and the CPU routing
+    COUNTER_SEM: tl.constexpr,  # the counters' atomic adds (DECIDE_COUNTER_SEM)
 ):
     e = tl.arange(0, E_PAD)
+    em = e < num_experts
+    # Every load that needs nothing of the entries is issued before their loop: on an all-hit
+    # call the program then waits on one round of loads (a loop is a barrier to the compiler).
     nv = tl.load(num_valid_ptr)
+    res = tl.load(res_ptr + base + e, mask=em, other=-1)
+    now = tl.load(clock_ptr) + 1
+    last = tl.load(last_use_ptr + base + e, mask=em, other=0)
     used = tl.zeros([E_PAD], dtype=tl.int32)
     for start in range(0, n_entries, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -124,20 +135,21 @@ def _decide_kernel(
         ids32 = tl.where(valid, ids.to(tl.int32), -1)
         eq = (ids32[:, None] == e[None, :]).to(tl.int32)
         used = tl.maximum(used, tl.max(eq, axis=0))
-    em = e < num_experts
-    res = tl.load(res_ptr + base + e, mask=em, other=-1)
+        if HIT_PATH:
+            # The routing for the GPU compute as it is when no entry goes to the CPU (padded
+            # rows take row 0's experts); a call with CPU items rewrites it below.
+            row0 = tl.load(ids_ptr + (offs % top_k), mask=inb, other=0)
+            tl.store(ids_out_ptr + offs, tl.where(valid, ids, row0), mask=inb)
     hit = (used > 0) & (res >= 0) & em
     miss = (used > 0) & (res < 0) & em
     n_miss = tl.sum(miss.to(tl.int32), axis=0)
     n_hit = tl.sum(hit.to(tl.int32), axis=0)
-    now = tl.load(clock_ptr) + 1
     tl.store(clock_ptr, now)
     S = num_slots
     slot = res.to(tl.int64)
     # Stamp the hits first: no slot used by this call can be a victim.
     tl.store(key_ptr + slot, now * S + slot, mask=hit)
     tl.debug_barrier()
-    last = tl.load(last_use_ptr + base + e, mask=em, other=0)
     if ADMIT or REFILL or RETURN:
         # Reused misses: used more recently than the least recently used slot (its stamp is
         # -1 while a slot is empty: every miss). No miss: no scan (S * 0 loops) and no load
@@ -265,16 +277,9 @@ def _decide_kernel(
     n_items = n_miss * 0
     n_full = n_entries + n_items  # the entries the CPU routing below goes over
     if HIT_PATH:
-        # No CPU item: the routing as it is (padded rows aside), without the per-entry
-        # reduction over the experts, the compaction and the item stores.
+        # No CPU item: the first loop wrote the routing; no per-entry reduction over the
+        # experts, compaction or item stores.
         n_full = n_full * (n_cpu > 0).to(tl.int32)
-        for start in range(0, n_entries - n_full, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            inb = offs < n_entries
-            valid = inb & ((offs // top_k) < nv)
-            ids = tl.load(ids_ptr + offs, mask=inb, other=0)
-            row0 = tl.load(ids_ptr + (offs % top_k), mask=inb, other=0)
-            tl.store(ids_out_ptr + offs, tl.where(valid, ids, row0), mask=inb)
     for start in range(0, n_full, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inb = offs < n_entries
@@ -306,13 +311,14 @@ def _decide_kernel(
         if n_items > 0:
             _post_tail(x_ptr, x_stride, n_rows, hidden, hx_ptr, hcount_ptr, hnrows_ptr,
                        seq_ptr, ring_ptr, n_items, POST_BLOCK, POST_FENCE)
-    # Atomic adds: no read back, so the program does not wait on five load round trips.
+    # Atomic adds: no read back, so the program does not wait on five load round trips, and
+    # relaxed: no fence before each (ordering with the host's reads comes from the stream).
     c = counters_ptr + ordinal
-    tl.atomic_add(c, (n_hit + n_miss).to(tl.int64))
-    tl.atomic_add(c + num_layers, n_hit.to(tl.int64))
-    tl.atomic_add(c + 2 * num_layers, q.to(tl.int64))
-    tl.atomic_add(c + 3 * num_layers, n_evict.to(tl.int64))
-    tl.atomic_add(c + 4 * num_layers, n_cpu.to(tl.int64))
+    tl.atomic_add(c, (n_hit + n_miss).to(tl.int64), sem=COUNTER_SEM)
+    tl.atomic_add(c + num_layers, n_hit.to(tl.int64), sem=COUNTER_SEM)
+    tl.atomic_add(c + 2 * num_layers, q.to(tl.int64), sem=COUNTER_SEM)
+    tl.atomic_add(c + 3 * num_layers, n_evict.to(tl.int64), sem=COUNTER_SEM)
+    tl.atomic_add(c + 4 * num_layers, n_cpu.to(tl.int64), sem=COUNTER_SEM)
 
 
 @triton.jit
@@ -470,6 +476,7 @@ def decide_triton(
         POST_BLOCK=post_block,
         POST_FENCE=32 * DECIDE_WARPS,
         HIT_PATH=DECIDE_HIT_PATH,
+        COUNTER_SEM=DECIDE_COUNTER_SEM,
         num_warps=DECIDE_WARPS,
         enable_fp_fusion=False,  # the return rule's fp32 sums round as the reference's
     )
