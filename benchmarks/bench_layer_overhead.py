@@ -14,8 +14,10 @@ resident, slots, lru) the excess over stock SGLang's ``fused_experts`` on the la
 - ``slots``: the LRU path's MoE over slots (token alignment, remap to slots, the GEMMs);
 - ``decide``, ``fill``, ``remap``: the decision kernel, the fill launch with nothing to
   fill, the remap kernel alone;
-- ``lru``: ``DecodeExecutor.run``'s whole all-hit call under the fill policy (decide, then
-  the alignment, the fill launch that also remaps the block ids, the GEMMs); ``lru-sep``:
+- ``lru``: ``DecodeExecutor.run``'s whole all-hit call under the fill policy (decide on a
+  side stream beside the alignment, then the fill launch that also remaps the block ids, the
+  GEMMs); ``lru-seq``: the same with the decision before the alignment on one stream
+  (``OVERLAP_DECISION`` off: the A/B of the overlap); ``lru-sep``:
   the same with the fill before the alignment and the remap a kernel of its own (as before
   they were one launch: the A/B of that change);
 - ``qstar``: ``DecodeExecutor.run``'s whole all-hit call under q* with the admission rule
@@ -124,6 +126,7 @@ def main(argv=None) -> int:
     from freetoken_sglang.cpu.branch import CpuBranch
     from freetoken_sglang.cpu.executor import CpuExpertExecutor
     from freetoken_sglang.execute.contract import LayerCall
+    from freetoken_sglang.execute import decode as decode_mod
     from freetoken_sglang.execute.decode import DecodeExecutor
     from freetoken_sglang.execute.slot_moe import run_on_slots_triton
     from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
@@ -196,6 +199,13 @@ def main(argv=None) -> int:
             policy["split"] = FILL_ALL
             executor.run(calls[i % L])
 
+        def lru_seq(i):
+            decode_mod.OVERLAP_DECISION = False
+            try:
+                lru(i)
+            finally:
+                decode_mod.OVERLAP_DECISION = True
+
         def lru_sep(i):
             o = i % L
             d = decide(state, counters, o, E, ids, w, num_valid)
@@ -253,6 +263,7 @@ def main(argv=None) -> int:
                                               [slots[n] for n in names], src, src, count),
             "remap": lambda i: remap_expert_ids_(expert_ids, state.layer_slots(i % L, E)),
             "lru": lru,
+            "lru-seq": lru_seq,
             "lru-sep": lru_sep,
             "qstar": qstar,
             "qstar-sep": lambda i: qstar(i, fold=False),
@@ -303,7 +314,7 @@ def main(argv=None) -> int:
         json.dump({"args": vars(a), "us_per_layer_call": rows,
                    "device": torch.cuda.get_device_name()}, f, indent=1)
     # whole MoE calls: their excess over stock
-    whole = ("stock", "resident", "slots", "lru", "lru-sep", "qstar", "qstar-sep")
+    whole = ("stock", "resident", "slots", "lru", "lru-seq", "lru-sep", "qstar", "qstar-sep")
     print("| path | " + " | ".join(f"bs{T} us/call | bs{T} over stock" for T in rows) + " |")
     print("|---|" + "---:|---:|" * len(rows))
     for name in rows[next(iter(rows))]:

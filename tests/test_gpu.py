@@ -348,6 +348,91 @@ def test_moe_on_slots_is_bit_identical_to_stock(num_tokens, published_server_arg
     torch.testing.assert_close(partial, want_partial, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_decode_executor_fill_steps_in_a_graph_equal_stock(overlap, monkeypatch,
+                                                           published_server_args):
+    """Decode steps of the fill policy through ``DecodeExecutor`` captured in a CUDA graph,
+    over a cache smaller than the layers' experts (misses, fills and evictions every step),
+    with the decision on a side stream beside the alignment (``OVERLAP_DECISION``) or before
+    it: each replay's valid rows equal SGLang's ``fused_experts`` on the layer's own weights
+    bit for bit (a padded row routes anywhere), and every owned slot holds its owner's row."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
+    from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    from freetoken_sglang.cache.fills import Filler, LateFills
+    from freetoken_sglang.cache.residency import FILL_ALL, ResidencyState
+    from freetoken_sglang.execute import decode
+    from freetoken_sglang.execute.contract import LayerCall
+    from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
+
+    monkeypatch.setattr(decode, "OVERLAP_DECISION", overlap)
+    L, E, H, I, T, k, S, bf16 = 3, 16, 512, 256, 4, 4, 20, torch.bfloat16
+    with torch.device("cuda"):
+        pool = HostExpertPool(list(range(L)), E, bank_specs_for_layer(H, I, bf16))
+    gen = torch.Generator().manual_seed(5)
+    for bank in pool.banks.values():
+        bank.copy_((torch.randn(bank.shape, generator=gen) * 0.05).to(bank.dtype))
+    assert pool.pin()
+    slots = {n: torch.zeros(S, *sp.shape, dtype=sp.dtype, device="cuda")
+             for n, sp in pool.specs.items()}
+    filler = Filler(pool.banks, pool.device_banks, slots)
+    state = ResidencyState(L * E, S, "cuda")
+    counters = torch.zeros(5, L, dtype=torch.int64, device="cuda")
+    cfg = MoeRunnerConfig(num_experts=E, num_local_experts=E, hidden_size=H,
+                          intermediate_size_per_partition=I, top_k=k, params_dtype=bf16,
+                          activation="silu", inplace=False)
+    x = torch.zeros(T, H, device="cuda", dtype=bf16)
+    ids = torch.zeros(L, T, k, device="cuda", dtype=torch.int32)
+    w = torch.zeros(L, T, k, device="cuda")
+    nv = torch.tensor([T - 1], dtype=torch.int32, device="cuda")  # row T-1 is padding
+    layers = [SimpleNamespace(moe_runner_config=cfg, w13_weight=pool.layer_rows("w13_weight", l),
+                              w2_weight=pool.layer_rows("w2_weight", l)) for l in range(L)]
+    calls = [LayerCall(layer=layers[l], ordinal=l, x=x, topk_weights=w[l], topk_ids=ids[l],
+                       topk_output=None) for l in range(L)]
+    rt = SimpleNamespace(
+        cache=SimpleNamespace(residency=state, num_experts=E, slot_banks=slots,
+                              late=LateFills(filler), filler=filler),
+        split_for=lambda rows: FILL_ALL, is_decode_sized=lambda rows: True,
+        counters=SimpleNamespace(of_phase=lambda phase: counters), num_valid=nv,
+        cpu_branch=None)
+    executor = decode.DecodeExecutor(rt)
+    rng = random.Random(7)
+
+    def route():
+        ids.copy_(torch.tensor([[rng.sample(range(E), k) for _ in range(T)] for _ in range(L)]))
+        w.copy_(torch.rand(L, T, k, generator=gen))
+        x.copy_(torch.randn(T, H, generator=gen).to(bf16))
+
+    route()
+    for c in calls:  # eager first: the kernels compile outside the capture
+        executor.run(c)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = [executor.run(c) for c in calls]
+    state.reset()
+    slots_w = {n: b.cuda() for n, b in pool.banks.items()}
+    logits = torch.zeros(T, E, device="cuda")
+    for step in range(8):
+        route()
+        g.replay()
+        torch.cuda.synchronize()
+        for l in range(L):
+            want = fused_experts(x.clone(), slots_w["w13_weight"][l * E:(l + 1) * E],
+                                 slots_w["w2_weight"][l * E:(l + 1) * E],
+                                 StandardTopKOutput(w[l], ids[l], logits), cfg)
+            assert torch.equal(outs[l][: T - 1], want[: T - 1]), (step, l)
+        for s, o in enumerate(state.owner[:S].tolist()):
+            if o >= 0:
+                for n in pool.banks:
+                    assert torch.equal(slots[n][s].cpu(), pool.banks[n][o]), (step, s, o)
+    assert counters[2].sum().item() > 0 and counters[3].sum().item() > 0  # fills, evictions
+    pool.unpin()
+
+
 @pytest.mark.parametrize("label", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("num_tokens", [1, 3, 64])
 def test_fp4_slots_match_sglang_over_the_dequantized_experts(label, num_tokens, monkeypatch,

@@ -24,6 +24,14 @@ def _late_slots_kept(cache, call: LayerCall) -> bool:
     return cache.residency.num_slots > cache.pool.num_layers * per_call
 
 
+#: On CUDA, a call under the fill policy runs its decision on a side stream beside SGLang's
+#: token alignment of the routing as the router gave it (the decision changes no entry of a
+#: call without CPU work: padded rows keep their experts, the remap sends a non-resident one
+#: to slot 0), joined before the fill; False runs them one after the other
+#: (bench_layer_overhead.py's lru against lru-seq).
+OVERLAP_DECISION = True
+
+
 class DecodeExecutor:
     """Hits run from their slots; of the m misses, q are filled into LRU victims and run on
     the GPU, the rest run on the CPU at the same time; the partial outputs are merged. With
@@ -39,6 +47,17 @@ class DecodeExecutor:
 
     def __init__(self, runtime):
         self.rt = runtime
+        self._side = None  # the decision's stream (OVERLAP_DECISION)
+
+    def _side_stream(self, x: torch.Tensor):
+        """The stream the decision runs on beside the alignment, forked from the current one
+        (None: no overlap: not CUDA, or CPU work possible)."""
+        if not (OVERLAP_DECISION and x.is_cuda):
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=x.device)
+        self._side.wait_stream(torch.cuda.current_stream(x.device))
+        return self._side
 
     def run(self, call: LayerCall) -> torch.Tensor:
         rt = self.rt
@@ -50,18 +69,20 @@ class DecodeExecutor:
         # the doorbell: the decision kernel posts the CPU work itself (CpuBranch.fold)
         post = branch.post_target(x) if on_cpu else None
         phase = "decode" if rt.is_decode_sized(call.rows) else "prefill"
-        decision = decide(
-            cache.residency,
-            rt.counters.of_phase(phase),
-            call.ordinal,
-            cache.num_experts,
-            call.topk_ids,
-            call.topk_weights,
-            rt.num_valid,
-            split,
-            routed_scale(call.layer, x),
-            post=post,
-        )
+        side = None if on_cpu else self._side_stream(x)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            decision = decide(
+                cache.residency,
+                rt.counters.of_phase(phase),
+                call.ordinal,
+                cache.num_experts,
+                call.topk_ids,
+                call.topk_weights,
+                rt.num_valid,
+                split,
+                routed_scale(call.layer, x),
+                post=post,
+            )
         if on_cpu:  # x is copied (or posted) before the GPU may overwrite it
             branch.launch(x, decision.cpu, posted=post is not None)
         if cache.late.pending and not _late_slots_kept(cache, call):
@@ -71,6 +92,8 @@ class DecodeExecutor:
 
         def fill(remap):
             # launched by run_on_slots after the token alignment, remapping its block ids
+            if side is not None:  # the decision's slots, before the remap reads them
+                torch.cuda.current_stream(x.device).wait_stream(side)
             cache.filler.run(decision.plan, remap=remap)
             if decision.late is not None:  # the late fill: after this call, not waited for
                 cache.late.launch(decision.late)
@@ -79,7 +102,7 @@ class DecodeExecutor:
         with branch.merging_reduce() if on_cpu else contextlib.nullcontext():
             out = run_on_slots(
                 call,
-                decision.routed_ids,
+                call.topk_ids if side is not None else decision.routed_ids,
                 cache.residency.layer_slots(call.ordinal, cache.num_experts),
                 cache,
                 skip_negative_ids=on_cpu,
