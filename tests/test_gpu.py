@@ -355,7 +355,8 @@ def test_decode_executor_fill_steps_in_a_graph_equal_stock(overlap, monkeypatch,
     over a cache smaller than the layers' experts (misses, fills and evictions every step),
     with the decision on a side stream beside the alignment (``OVERLAP_DECISION``) or before
     it: each replay's valid rows equal SGLang's ``fused_experts`` on the layer's own weights
-    bit for bit (a padded row routes anywhere), and every owned slot holds its owner's row."""
+    bit for bit (a padded row routes anywhere), and every owned slot holds its owner's row;
+    two eager steps first, the same."""
     from types import SimpleNamespace
 
     from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
@@ -406,20 +407,10 @@ def test_decode_executor_fill_steps_in_a_graph_equal_stock(overlap, monkeypatch,
         w.copy_(torch.rand(L, T, k, generator=gen))
         x.copy_(torch.randn(T, H, generator=gen).to(bf16))
 
-    route()
-    for c in calls:  # eager first: the kernels compile outside the capture
-        executor.run(c)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = [executor.run(c) for c in calls]
-    state.reset()
     slots_w = {n: b.cuda() for n, b in pool.banks.items()}
     logits = torch.zeros(T, E, device="cuda")
-    for step in range(8):
-        route()
-        g.replay()
-        torch.cuda.synchronize()
+
+    def check(outs, step):
         for l in range(L):
             want = fused_experts(x.clone(), slots_w["w13_weight"][l * E:(l + 1) * E],
                                  slots_w["w2_weight"][l * E:(l + 1) * E],
@@ -429,6 +420,23 @@ def test_decode_executor_fill_steps_in_a_graph_equal_stock(overlap, monkeypatch,
             if o >= 0:
                 for n in pool.banks:
                     assert torch.equal(slots[n][s].cpu(), pool.banks[n][o]), (step, s, o)
+
+    for step in range(2):  # eager first (the kernels compile outside the capture)
+        route()
+        outs = [executor.run(c) for c in calls]
+        torch.cuda.synchronize()
+        check(outs, -1 - step)
+    assert (executor._side is not None) == overlap
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = [executor.run(c) for c in calls]
+    state.reset()
+    counters.zero_()
+    for step in range(8):
+        route()
+        g.replay()
+        torch.cuda.synchronize()
+        check(outs, step)
     assert counters[2].sum().item() > 0 and counters[3].sum().item() > 0  # fills, evictions
     pool.unpin()
 

@@ -90,24 +90,33 @@ class DecodeExecutor:
             # as a victim again: this call's fills then wait for the late copies (same link).
             cache.late.wait()
 
+        joined = [side is None]
+
+        def join():  # the decision's slots, before the remap reads them
+            if not joined[0]:
+                torch.cuda.current_stream(x.device).wait_stream(side)
+                joined[0] = True
+
         def fill(remap):
             # launched by run_on_slots after the token alignment, remapping its block ids
-            if side is not None:  # the decision's slots, before the remap reads them
-                torch.cuda.current_stream(x.device).wait_stream(side)
+            join()
             cache.filler.run(decision.plan, remap=remap)
             if decision.late is not None:  # the late fill: after this call, not waited for
                 cache.late.launch(decision.late)
 
         # with the doorbell, the MoE's sum over top-k awaits and merges the CPU partial
         with branch.merging_reduce() if on_cpu else contextlib.nullcontext():
-            out = run_on_slots(
-                call,
-                call.topk_ids if side is not None else decision.routed_ids,
-                cache.residency.layer_slots(call.ordinal, cache.num_experts),
-                cache,
-                skip_negative_ids=on_cpu,
-                fill=fill,
-            )
+            try:
+                out = run_on_slots(
+                    call,
+                    call.topk_ids if side is not None else decision.routed_ids,
+                    cache.residency.layer_slots(call.ordinal, cache.num_experts),
+                    cache,
+                    skip_negative_ids=on_cpu,
+                    fill=fill,
+                )
+            finally:  # joined even where run_on_slots raised before its fill
+                join()
         if on_cpu:
             out = branch.merge(out)  # nothing left to launch where the sum merged it
         return out
