@@ -1,0 +1,2 @@
+# s34 call 2 (the command line of the run, on the warm machine of call 1)
+source _scratch/s31_common.sh; SHAPE=qwen3-30b-a3b-fp8 timeout 215 bash benchmarks/decode_matrix.sh $OUT/f8 0.5 benchmarks/results/h200-2026-12-03-s14/train/tr/trace_W4.npz fill > $OUT/f8.log 2>&1; echo "f8 rc=$?" >> $OUT/f8.log; pkill -f "[s]glang.launch_server"; rm -rf $OUT/f8/*.safetensors; kill $MEMLOG; cd $OUT; tar czf f8.tgz f8; grep "^|" f8.log | tail -6; tail -3 f8.log
