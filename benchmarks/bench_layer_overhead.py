@@ -25,6 +25,8 @@ resident, slots, lru) the excess over stock SGLang's ``fused_experts`` on the la
   branch, which has no CPU item to run: its post and merge folded into the decision kernel
   and the MoE's sum (``CpuBranch.fold``); ``qstar-sep``: the same with the post and the
   merge as kernels of their own, as before they were folded (the A/B of that change);
+  ``qstar-overlap``: ``qstar`` with its decision beside the alignment
+  (``OVERLAP_CPU_POLICIES``);
 - ``decide-full``: ``decide`` without the decision kernel's hit path (``DECIDE_HIT_PATH``
   off: the q table read and the CPU routing's reduction on every call); ``decide-acqrel``:
   ``decide`` with the counters' atomic adds fenced (``DECIDE_COUNTER_SEM="acq_rel"``);
@@ -199,6 +201,13 @@ def main(argv=None) -> int:
             policy["split"] = FILL_ALL
             executor.run(calls[i % L])
 
+        def qstar_overlap(i):
+            decode_mod.OVERLAP_CPU_POLICIES = True
+            try:
+                qstar(i)
+            finally:
+                decode_mod.OVERLAP_CPU_POLICIES = False
+
         def lru_seq(i):
             decode_mod.OVERLAP_DECISION = False
             try:
@@ -267,6 +276,7 @@ def main(argv=None) -> int:
             "lru-sep": lru_sep,
             "qstar": qstar,
             "qstar-sep": lambda i: qstar(i, fold=False),
+            "qstar-overlap": qstar_overlap,
             "decide-miss": lambda i: decide(miss_state, miss_counters, i % LM, E, ids, w,
                                             num_valid),
         }
@@ -314,7 +324,8 @@ def main(argv=None) -> int:
         json.dump({"args": vars(a), "us_per_layer_call": rows,
                    "device": torch.cuda.get_device_name()}, f, indent=1)
     # whole MoE calls: their excess over stock
-    whole = ("stock", "resident", "slots", "lru", "lru-seq", "lru-sep", "qstar", "qstar-sep")
+    whole = ("stock", "resident", "slots", "lru", "lru-seq", "lru-sep", "qstar", "qstar-sep",
+             "qstar-overlap")
     print("| path | " + " | ".join(f"bs{T} us/call | bs{T} over stock" for T in rows) + " |")
     print("|---|" + "---:|---:|" * len(rows))
     for name in rows[next(iter(rows))]:

@@ -83,12 +83,13 @@ def _copy_banks_kernel(
     BLOCK: tl.constexpr,
     REMAP: tl.constexpr,
     REMAP_BLOCK: tl.constexpr,
+    KEEP_NEGATIVE: tl.constexpr,  # the remap's keep_negative
 ):
-    if REMAP:  # remap_expert_ids_ (keep_negative=False), the ids spread over the programs
+    if REMAP:  # remap_expert_ids_, the ids spread over the programs
         for i0 in range(tl.program_id(0) * REMAP_BLOCK, n_ids,
                         tl.num_programs(0) * REMAP_BLOCK):
             remap_block(ids_ptr, i0 + tl.arange(0, REMAP_BLOCK), n_ids, layer_slots_ptr,
-                        num_experts, False)
+                        num_experts, KEEP_NEGATIVE)
     # The (row, chunk) work of every bank of the counted rows: a row's chunks are bank 0's,
     # then bank 1's, ...; banks past the used ones have no chunks.
     n = tl.load(count_ptr)
@@ -115,10 +116,11 @@ _REMAP_BLOCK = 128
 def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count, remap=None) -> None:
     """``dsts[b][dst_idx[i]] = srcs[b][src_idx[i]]`` for every bank ``b`` and ``i < count[0]``,
     in one kernel launch per ``MAX_BANKS`` banks (indices and count read on the device).
-    With ``remap = (expert_ids, layer_slots)`` the first launch also does
-    ``residency.remap_expert_ids_(expert_ids, layer_slots)`` (SGLang's per-block expert ids
-    to slot ids; -1 stays, an expert without a slot reads slot 0), so a decode call's fill and
-    remap are one launch. The remap reads ``layer_slots`` only, never the copied rows.
+    With ``remap = (expert_ids, layer_slots[, keep_negative])`` the first launch also does
+    ``residency.remap_expert_ids_(*remap)`` (SGLang's per-block expert ids to slot ids; -1
+    stays, an expert without a slot reads slot 0, or with ``keep_negative`` gets -1), so a
+    decode call's fill and remap are one launch. The remap reads ``layer_slots`` only, never
+    the copied rows.
 
     Args:
         srcs, dsts: equal-length sequences of banks as for ``copy_rows`` (``[R, ...]`` UVA
@@ -126,9 +128,10 @@ def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count, remap=None) -> None:
             dtype per bank).
         src_idx, dst_idx: int32 ``[K]`` on the device.
         count: int32 ``[1]`` on the device, at most ``K``.
-        remap: optional ``(expert_ids, layer_slots)``: contiguous int ``[N]`` ids rewritten
-            in place, int32 ``[E]`` slots, on the banks' device (with no row to copy, K = 0
-            or no bank, ``remap_expert_ids_`` does it alone).
+        remap: optional ``(expert_ids, layer_slots[, keep_negative])``: contiguous int
+            ``[N]`` ids rewritten in place, int32 ``[E]`` slots, on the banks' device, and a
+            bool (default False) (with no row to copy, K = 0 or no bank,
+            ``remap_expert_ids_`` does it alone).
 
     Raises:
         ValueError: a bank's rows differ between source and destination, a bank is not
@@ -163,10 +166,12 @@ def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count, remap=None) -> None:
             args += args[:2] + [0, 0]
         grid = (min(k * total, _max_programs(dsts[start].device)),)
         if start == 0 and remap is not None:
-            ids, layer_slots = remap
+            ids, layer_slots = remap[:2]
             extra = (ids, ids.numel(), layer_slots, layer_slots.numel())
         else:  # (unused: REMAP is off)
             extra = (src_idx, 0, src_idx, 0)
         _copy_banks_kernel[grid](*args, src_idx, dst_idx, count, *extra, BLOCK=_BLOCK,
                                  REMAP=start == 0 and remap is not None,
-                                 REMAP_BLOCK=_REMAP_BLOCK)
+                                 REMAP_BLOCK=_REMAP_BLOCK,
+                                 KEEP_NEGATIVE=remap is not None and len(remap) > 2
+                                 and bool(remap[2]))

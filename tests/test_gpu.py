@@ -786,8 +786,10 @@ def test_cpu_branch_host_function_in_a_cuda_graph():
         torch.testing.assert_close(res.cpu(), want2)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("top_k", [4, 2])
-def test_cpu_branch_doorbell_runs_only_with_cpu_items(top_k, published_server_args):
+def test_cpu_branch_doorbell_runs_only_with_cpu_items(top_k, overlap, monkeypatch,
+                                                      published_server_args):
     """The doorbell branch through the decode executor (one layer, experts 0-3 resident, every
     miss on the CPU): eagerly and replayed from a captured graph, calls with and without CPU
     items alternating, the decision kernel posts (the thread serves, the ring moves) only on
@@ -798,7 +800,8 @@ def test_cpu_branch_doorbell_runs_only_with_cpu_items(top_k, published_server_ar
     partial (the separate merge kernel); with ``fold`` off (the separate kernels) the latter
     form too. Without items: exactly SGLang's own output (at top-4 our sum against
     SGLang's, fp32 in another order: equal unless a sum is inexact in fp32 and that changes
-    its bf16 rounding)."""
+    its bf16 rounding). With ``overlap`` (``OVERLAP_CPU_POLICIES``) the folded calls run the
+    decision beside the alignment of the router's ids: the same outputs."""
     from types import SimpleNamespace
 
     from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
@@ -807,11 +810,14 @@ def test_cpu_branch_doorbell_runs_only_with_cpu_items(top_k, published_server_ar
     from freetoken_sglang.cpu.branch import CpuBranch
     from freetoken_sglang.cpu.executor import CpuExpertExecutor
     from freetoken_sglang.execute.contract import LayerCall
+    from freetoken_sglang.execute import decode
     from freetoken_sglang.execute.decode import DecodeExecutor
     from freetoken_sglang.execute.slot_moe import run_on_slots_triton
     from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
     from freetoken_sglang.kernels.fill import copy_rows_banks
     from freetoken_sglang.patches.fused_moe import sum_reduce_replaced
+
+    monkeypatch.setattr(decode, "OVERLAP_CPU_POLICIES", overlap)
 
     E, H, I, T, k, bf16 = 8, 2048, 128, 3, top_k, torch.bfloat16
     torch.manual_seed(k)
@@ -920,6 +926,7 @@ def test_cpu_branch_doorbell_runs_only_with_cpu_items(top_k, published_server_ar
                 served += with_items
                 assert branch.doorbell.served == served and ring() == served, i
             assert int(counters[4].sum()) > 0 and int(counters[2].sum()) == 0
+            assert (executor._side is not None) == overlap
             branch.check()
         finally:
             branch.close()

@@ -14,7 +14,7 @@ refuses to start and names ``--freetoken-backend cpu`` (every expert on the CPU)
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 
@@ -50,13 +50,12 @@ class Filler:
                 "a GPU expert cache needs the host pool pinned and mapped (HostExpertPool.pin)"
             )
 
-    def run(self, plan: FillPlan, remap: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-            ) -> None:
+    def run(self, plan: FillPlan, remap: Optional[tuple] = None) -> None:
         """Copy pool row ``plan.src[i]`` into slot ``plan.dst[i]`` of every bank, for
-        ``i < plan.count[0]``. ``remap = (expert_ids, layer_slots)`` (contiguous int ``[N]``
-        per-block expert ids of SGLang's token alignment, int32 ``[E]`` slots) also rewrites
-        those ids to slot ids (``kernels.residency.remap_expert_ids_``), in the fill's own
-        launch under ``uva`` (``kernels.fill.copy_rows_banks``)."""
+        ``i < plan.count[0]``. ``remap = (expert_ids, layer_slots[, keep_negative])``
+        (contiguous int ``[N]`` per-block expert ids of SGLang's token alignment, int32 ``[E]``
+        slots) also rewrites those ids to slot ids (``kernels.residency.remap_expert_ids_``),
+        in the fill's own launch under ``uva`` (``kernels.fill.copy_rows_banks``)."""
         if self.mode == "uva":
             from freetoken_sglang.kernels.fill import copy_rows_banks
 

@@ -9,7 +9,7 @@ import torch
 
 from freetoken_sglang.cache.residency import decide
 from freetoken_sglang.execute.contract import LayerCall
-from freetoken_sglang.execute.slot_moe import run_on_slots, routed_scale
+from freetoken_sglang.execute.slot_moe import aligns_before_fill, run_on_slots, routed_scale
 
 
 def _late_slots_kept(cache, call: LayerCall) -> bool:
@@ -30,6 +30,13 @@ def _late_slots_kept(cache, call: LayerCall) -> bool:
 #: to slot 0), joined before the fill; False runs them one after the other
 #: (bench_layer_overhead.py's lru against lru-seq).
 OVERLAP_DECISION = True
+#: The same for calls that may send experts to the CPU (q*, cpu), where the decision posts
+#: the CPU work itself (the doorbell, ``CpuBranch.post_target``), there is no late fill (it
+#: gives a CPU-run expert its slot before the call) and SGLang's alignment precedes the fill
+#: (``aligns_before_fill``): a CPU expert's blocks then get its -1 slot from the remap, and
+#: ``filter_expert`` gives them zero. Off until measured on a GPU (bench_layer_overhead.py's
+#: qstar-overlap against qstar; tests/test_gpu.py's doorbell test covers both).
+OVERLAP_CPU_POLICIES = False
 
 
 class DecodeExecutor:
@@ -49,10 +56,15 @@ class DecodeExecutor:
         self.rt = runtime
         self._side = None  # the decision's stream (OVERLAP_DECISION)
 
-    def _side_stream(self, x: torch.Tensor):
-        """The stream the decision runs on beside the alignment, forked from the current one
-        (None: no overlap: not CUDA, or CPU work possible)."""
+    def _side_stream(self, call: LayerCall, split, post):
+        """The stream the decision runs on beside the alignment, forked from the current one,
+        or None (no overlap; ``OVERLAP_DECISION``, ``OVERLAP_CPU_POLICIES``)."""
+        x = call.x
         if not (OVERLAP_DECISION and x.is_cuda):
+            return None
+        if split.may_run_cpu and not (OVERLAP_CPU_POLICIES and post is not None
+                                      and not split.late_fill
+                                      and aligns_before_fill(call.layer, x)):
             return None
         if self._side is None:
             self._side = torch.cuda.Stream(device=x.device)
@@ -69,7 +81,7 @@ class DecodeExecutor:
         # the doorbell: the decision kernel posts the CPU work itself (CpuBranch.fold)
         post = branch.post_target(x) if on_cpu else None
         phase = "decode" if rt.is_decode_sized(call.rows) else "prefill"
-        side = None if on_cpu else self._side_stream(x)
+        side = self._side_stream(call, split, post)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             decision = decide(
                 cache.residency,

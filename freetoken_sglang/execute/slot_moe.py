@@ -37,6 +37,14 @@ _UNQUANTIZED = TritonQuant()
 DIRECT_FP4_MAX_PAIRS = 32
 
 
+def aligns_before_fill(layer, x: torch.Tensor) -> bool:
+    """Whether ``run_on_slots`` runs SGLang's token alignment of the routed ids before it
+    launches the call's fill (CUDA, not an FP4 format): the decision may then run beside the
+    alignment (``execute/decode.py``)."""
+    tq = getattr(getattr(layer, "quant_method", None), "triton_quant", _UNQUANTIZED)
+    return x.is_cuda and tq is not None and not tq.dequantized
+
+
 def run_on_slots_triton(
     layer,
     hidden_states: torch.Tensor,
@@ -58,8 +66,9 @@ def run_on_slots_triton(
         routed_ids: int ``[T, k]`` local expert ids, every one resident, or -1 for an entry
             served elsewhere (the CPU); ``residency.decide`` returns them.
         layer_slots: int32 ``[E]`` slot of each local expert.
-        skip_negative_ids: some ids may be -1: SGLang's kernels then run with
-            ``filter_expert`` (as under expert parallelism), giving those entries zero.
+        skip_negative_ids: some ids may be -1, or some experts have no slot (-1 in
+            ``layer_slots``): SGLang's kernels then run with ``filter_expert`` (as under
+            expert parallelism), giving those entries zero.
         slot_banks: ``w13_weight [S, 2I, H]``, ``w2_weight [S, H, I]`` and optional biases,
             or the format's banks (FP8 codes and scales; FP4 packed codes ``[S, 2I, H/2]``
             and scales).
@@ -67,8 +76,9 @@ def run_on_slots_triton(
             intact, for executors that run one call in several passes).
         fill: the call's pending fill (``Filler.run`` of its plan), launched here before
             any kernel reads a slot: after the token alignment, given ``(expert_ids,
-            layer_slots)`` to remap in its own launch (one launch fewer), or first with
-            ``None`` on the FP4 paths and without ``layer_slots``.
+            layer_slots, skip_negative_ids)`` to remap in its own launch (one launch fewer;
+            ``Filler.run``), or first with ``None`` on the FP4 paths and without
+            ``layer_slots`` (``aligns_before_fill``).
 
     FP4 slots: at most ``DIRECT_FP4_MAX_PAIRS`` pairs (``routed_ids.numel()``, a static
     shape), bf16/fp16 activations, a silu-gated activation (``fp4_moe.activation_code``)
@@ -115,9 +125,9 @@ def run_on_slots_triton(
         **quant,
     )
     if fill is not None:
-        fill((expert_ids, layer_slots))
+        fill((expert_ids, layer_slots, skip_negative_ids))
     elif layer_slots is not None:
-        remap_expert_ids_(expert_ids, layer_slots)
+        remap_expert_ids_(expert_ids, layer_slots, keep_negative=skip_negative_ids)
     filter_expert = skip_negative_ids or (
         cfg.num_experts is None or cfg.num_experts != cfg.num_local_experts
     )
