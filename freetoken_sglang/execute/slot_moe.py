@@ -131,6 +131,11 @@ def run_on_slots_triton(
     filter_expert = skip_negative_ids or (
         cfg.num_experts is None or cfg.num_experts != cfg.num_local_experts
     )
+    if filter_expert and down_moe_use_tma:
+        # SGLang's gate-up kernel writes a skipped (-1) block's zeros at the flat token rows,
+        # while the TMA down path lays its rows out sorted: the zeros can land on another
+        # expert's rows. Without TMA both use the flat rows.
+        down_moe_use_tma = False
     return _fused_moe_kernel_sequence(
         hidden_states,
         slot_banks["w13_weight"],
