@@ -441,6 +441,108 @@ def test_decode_executor_fill_steps_in_a_graph_equal_stock(overlap, monkeypatch,
     pool.unpin()
 
 
+@pytest.mark.parametrize("rule", ["admit_reuse", "fill_reused", "return_rule"])
+def test_qstar_decision_beside_the_alignment_changes_no_output(rule, monkeypatch,
+                                                               published_server_args):
+    """q* steps through ``DecodeExecutor`` with the doorbell, captured in a CUDA graph over a
+    cache smaller than the layers' experts (fills, evictions and CPU experts every step, a
+    padded row): with the decision beside the alignment of the router's ids
+    (``OVERLAP_CPU_POLICIES``) every replay's valid rows, the counters and the CPU calls
+    served equal those with the decision first, bit for bit (a CPU expert's blocks zeroed
+    through its -1 slot, not computed from slot 0)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
+
+    from freetoken_sglang.cache.fills import Filler, LateFills
+    from freetoken_sglang.cache.residency import MissSplit, ResidencyState
+    from freetoken_sglang.cpu.branch import CpuBranch
+    from freetoken_sglang.cpu.executor import CpuExpertExecutor
+    from freetoken_sglang.execute import decode
+    from freetoken_sglang.execute.contract import LayerCall
+    from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
+
+    L, E, H, I, T, k, S, bf16 = 3, 16, 2048, 128, 4, 4, 20, torch.bfloat16
+    with torch.device("cuda"):
+        pool = HostExpertPool(list(range(L)), E, bank_specs_for_layer(H, I, bf16))
+    gen0 = torch.Generator().manual_seed(5)
+    for bank in pool.banks.values():
+        bank.copy_((torch.randn(bank.shape, generator=gen0) * 0.05).to(bank.dtype))
+    assert pool.pin()
+    extra = dict(fill_us=200.0, cpu_us=100.0) if rule == "return_rule" else {}
+    split = MissSplit(0.5, 1, **{rule: True}, **extra)
+    assert split.may_run_cpu and not split.late_fill
+    cfg = MoeRunnerConfig(num_experts=E, num_local_experts=E, hidden_size=H,
+                          intermediate_size_per_partition=I, top_k=k, params_dtype=bf16,
+                          activation="silu", inplace=False)
+    layers = [SimpleNamespace(moe_runner_config=cfg, w13_weight=pool.layer_rows("w13_weight", l),
+                              w2_weight=pool.layer_rows("w2_weight", l)) for l in range(L)]
+
+    def steps(overlap):
+        monkeypatch.setattr(decode, "OVERLAP_CPU_POLICIES", overlap)
+        slots = {n: torch.zeros(S, *sp.shape, dtype=sp.dtype, device="cuda")
+                 for n, sp in pool.specs.items()}
+        filler = Filler(pool.banks, pool.device_banks, slots)
+        state = ResidencyState(L * E, S, "cuda")
+        counters = torch.zeros(5, L, dtype=torch.int64, device="cuda")
+        x = torch.zeros(T, H, device="cuda", dtype=bf16)
+        ids = torch.zeros(L, T, k, device="cuda", dtype=torch.int32)
+        w = torch.zeros(L, T, k, device="cuda")
+        nv = torch.tensor([T - 1], dtype=torch.int32, device="cuda")  # row T-1 is padding
+        calls = [LayerCall(layer=layers[l], ordinal=l, x=x, topk_weights=w[l],
+                           topk_ids=ids[l], topk_output=None) for l in range(L)]
+        rng, gen = random.Random(7), torch.Generator().manual_seed(9)
+
+        def route():
+            ids.copy_(torch.tensor([[rng.sample(range(E), k) for _ in range(T)]
+                                    for _ in range(L)]))
+            w.copy_(torch.rand(L, T, k, generator=gen))
+            x.copy_(torch.randn(T, H, generator=gen).to(bf16))
+
+        got = []
+        with CpuExpertExecutor(pool.banks, num_threads=4) as ex:
+            branch = CpuBranch(ex, torch.device("cuda"), H, k, bf16, max_rows=T)
+            assert branch.mode == "doorbell" and branch.fold
+            rt = SimpleNamespace(
+                cache=SimpleNamespace(residency=state, num_experts=E, slot_banks=slots,
+                                      late=LateFills(filler), filler=filler),
+                split_for=lambda rows: split, is_decode_sized=lambda rows: True,
+                counters=SimpleNamespace(of_phase=lambda phase: counters), num_valid=nv,
+                cpu_branch=branch)
+            executor = decode.DecodeExecutor(rt)
+            try:
+                route()
+                for c in calls:  # eager first: the kernels compile outside the capture
+                    executor.run(c)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    outs = [executor.run(c) for c in calls]
+                state.reset()
+                counters.zero_()
+                for _ in range(6):
+                    route()
+                    g.replay()
+                    torch.cuda.synchronize()
+                    got.append([o[: T - 1].cpu() for o in outs])
+                branch.check()
+                assert (executor._side is not None) == overlap
+                served = branch.doorbell.served
+            finally:
+                branch.close()
+        return got, counters.cpu(), served
+
+    want, want_counters, want_served = steps(False)
+    got, got_counters, got_served = steps(True)
+    for step, (a, b) in enumerate(zip(got, want)):
+        for l in range(L):
+            assert torch.equal(a[l], b[l]), (step, l)
+    assert torch.equal(got_counters, want_counters) and got_served == want_served
+    assert want_counters[2].sum() > 0 and want_counters[3].sum() > 0  # fills, evictions
+    assert want_counters[4].sum() > 0  # CPU experts
+    pool.unpin()
+
+
 @pytest.mark.parametrize("label", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("num_tokens", [1, 3, 64])
 def test_fp4_slots_match_sglang_over_the_dequantized_experts(label, num_tokens, monkeypatch,
