@@ -51,6 +51,7 @@ import json
 import os
 import sys
 import tempfile
+from unittest import mock
 
 import torch
 
@@ -201,19 +202,15 @@ def main(argv=None) -> int:
             policy["split"] = FILL_ALL
             executor.run(calls[i % L])
 
-        def qstar_overlap(i):
-            decode_mod.OVERLAP_CPU_POLICIES = True
-            try:
-                qstar(i)
-            finally:
-                decode_mod.OVERLAP_CPU_POLICIES = False
+        def flipped(module, name, value, fn):
+            """``fn`` with ``module.name`` set to ``value`` for the call (the A/B variants)."""
+            def run(i):
+                with mock.patch.object(module, name, value):
+                    fn(i)
+            return run
 
-        def lru_seq(i):
-            decode_mod.OVERLAP_DECISION = False
-            try:
-                lru(i)
-            finally:
-                decode_mod.OVERLAP_DECISION = True
+        def decide_plain(i):
+            decide(state, counters, i % L, E, ids, w, num_valid)
 
         def lru_sep(i):
             o = i % L
@@ -221,13 +218,6 @@ def main(argv=None) -> int:
             copy_rows_banks([slots[n] for n in names], [slots[n] for n in names],
                             d.plan.src, d.plan.dst, d.plan.count)
             run_on_slots_triton(layers[o], x, w, d.routed_ids, state.layer_slots(o, E), slots)
-
-        def decide_full(i):
-            residency_kernels.DECIDE_HIT_PATH = False
-            try:
-                decide(state, counters, i % L, E, ids, w, num_valid)
-            finally:
-                residency_kernels.DECIDE_HIT_PATH = True
 
         def slots_merge(i):
             # the q* path's MoE alone: CPU entries masked (filter_expert) and its sum-reduce
@@ -243,13 +233,6 @@ def main(argv=None) -> int:
                 run_on_slots_triton(layers[i % L], x, w, ids, state.layer_slots(i % L, E),
                                     slots, skip_negative_ids=True)
 
-        def decide_acqrel(i):
-            residency_kernels.DECIDE_COUNTER_SEM = "acq_rel"
-            try:
-                decide(state, counters, i % L, E, ids, w, num_valid)
-            finally:
-                residency_kernels.DECIDE_COUNTER_SEM = "relaxed"
-
         variants = {
             "stock": lambda i: fused_experts(x, per_layer[i % L]["w13_weight"],
                                              per_layer[i % L]["w2_weight"], topk, cfg),
@@ -257,9 +240,10 @@ def main(argv=None) -> int:
                                                       per_layer[i % L]),
             "slots": lambda i: run_on_slots_triton(layers[i % L], x, w, ids,
                                                    state.layer_slots(i % L, E), slots),
-            "decide": lambda i: decide(state, counters, i % L, E, ids, w, num_valid),
-            "decide-full": decide_full,
-            "decide-acqrel": decide_acqrel,
+            "decide": decide_plain,
+            "decide-full": flipped(residency_kernels, "DECIDE_HIT_PATH", False, decide_plain),
+            "decide-acqrel": flipped(residency_kernels, "DECIDE_COUNTER_SEM", "acq_rel",
+                                     decide_plain),
             "decide-q": lambda i: decide(state, counters, i % L, E, ids, w, num_valid,
                                          qstar_split),
             "decide-q-post": lambda i: decide(state, counters, i % L, E, ids, w, num_valid,
@@ -272,11 +256,11 @@ def main(argv=None) -> int:
                                               [slots[n] for n in names], src, src, count),
             "remap": lambda i: remap_expert_ids_(expert_ids, state.layer_slots(i % L, E)),
             "lru": lru,
-            "lru-seq": lru_seq,
+            "lru-seq": flipped(decode_mod, "OVERLAP_DECISION", False, lru),
             "lru-sep": lru_sep,
             "qstar": qstar,
             "qstar-sep": lambda i: qstar(i, fold=False),
-            "qstar-overlap": qstar_overlap,
+            "qstar-overlap": flipped(decode_mod, "OVERLAP_CPU_POLICIES", True, qstar),
             "decide-miss": lambda i: decide(miss_state, miss_counters, i % LM, E, ids, w,
                                             num_valid),
         }

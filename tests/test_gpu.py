@@ -348,6 +348,36 @@ def test_moe_on_slots_is_bit_identical_to_stock(num_tokens, published_server_arg
     torch.testing.assert_close(partial, want_partial, rtol=2e-2, atol=2e-3)
 
 
+def _pinned_random_pool(L, E, H, I):
+    """A pinned bf16 host pool of L layers x E experts (hidden H, expert I), random weights
+    of scale 0.05."""
+    from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
+
+    with torch.device("cuda"):
+        pool = HostExpertPool(list(range(L)), E, bank_specs_for_layer(H, I, torch.bfloat16))
+    gen = torch.Generator().manual_seed(5)
+    for bank in pool.banks.values():
+        bank.copy_((torch.randn(bank.shape, generator=gen) * 0.05).to(bank.dtype))
+    assert pool.pin()
+    return pool
+
+
+def _replayed_steps(executor, calls, route, resets, n):
+    """Capture one decode step (``executor.run`` of every layer call) in a CUDA graph, run
+    ``resets``, then for each of ``n`` steps ``route()`` and replay: yields ``(step, outs)``
+    after each replay has finished."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = [executor.run(c) for c in calls]
+    for reset in resets:
+        reset()
+    for step in range(n):
+        route()
+        g.replay()
+        torch.cuda.synchronize()
+        yield step, outs
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_decode_executor_fill_steps_in_a_graph_equal_stock(overlap, monkeypatch,
                                                            published_server_args):
@@ -367,16 +397,11 @@ def test_decode_executor_fill_steps_in_a_graph_equal_stock(overlap, monkeypatch,
     from freetoken_sglang.cache.residency import FILL_ALL, ResidencyState
     from freetoken_sglang.execute import decode
     from freetoken_sglang.execute.contract import LayerCall
-    from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
 
     monkeypatch.setattr(decode, "OVERLAP_DECISION", overlap)
     L, E, H, I, T, k, S, bf16 = 3, 16, 512, 256, 4, 4, 20, torch.bfloat16
-    with torch.device("cuda"):
-        pool = HostExpertPool(list(range(L)), E, bank_specs_for_layer(H, I, bf16))
-    gen = torch.Generator().manual_seed(5)
-    for bank in pool.banks.values():
-        bank.copy_((torch.randn(bank.shape, generator=gen) * 0.05).to(bank.dtype))
-    assert pool.pin()
+    pool = _pinned_random_pool(L, E, H, I)
+    gen = torch.Generator().manual_seed(6)
     slots = {n: torch.zeros(S, *sp.shape, dtype=sp.dtype, device="cuda")
              for n, sp in pool.specs.items()}
     filler = Filler(pool.banks, pool.device_banks, slots)
@@ -427,15 +452,7 @@ def test_decode_executor_fill_steps_in_a_graph_equal_stock(overlap, monkeypatch,
         torch.cuda.synchronize()
         check(outs, -1 - step)
     assert (executor._side is not None) == overlap
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = [executor.run(c) for c in calls]
-    state.reset()
-    counters.zero_()
-    for step in range(8):
-        route()
-        g.replay()
-        torch.cuda.synchronize()
+    for step, outs in _replayed_steps(executor, calls, route, (state.reset, counters.zero_), 8):
         check(outs, step)
     assert counters[2].sum().item() > 0 and counters[3].sum().item() > 0  # fills, evictions
     pool.unpin()
@@ -460,15 +477,9 @@ def test_qstar_decision_beside_the_alignment_changes_no_output(rule, monkeypatch
     from freetoken_sglang.cpu.executor import CpuExpertExecutor
     from freetoken_sglang.execute import decode
     from freetoken_sglang.execute.contract import LayerCall
-    from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
 
     L, E, H, I, T, k, S, bf16 = 3, 16, 2048, 128, 4, 4, 20, torch.bfloat16
-    with torch.device("cuda"):
-        pool = HostExpertPool(list(range(L)), E, bank_specs_for_layer(H, I, bf16))
-    gen0 = torch.Generator().manual_seed(5)
-    for bank in pool.banks.values():
-        bank.copy_((torch.randn(bank.shape, generator=gen0) * 0.05).to(bank.dtype))
-    assert pool.pin()
+    pool = _pinned_random_pool(L, E, H, I)
     extra = dict(fill_us=200.0, cpu_us=100.0) if rule == "return_rule" else {}
     split = MissSplit(0.5, 1, **{rule: True}, **extra)
     assert split.may_run_cpu and not split.late_fill
@@ -515,15 +526,8 @@ def test_qstar_decision_beside_the_alignment_changes_no_output(rule, monkeypatch
                 for c in calls:  # eager first: the kernels compile outside the capture
                     executor.run(c)
                 torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    outs = [executor.run(c) for c in calls]
-                state.reset()
-                counters.zero_()
-                for _ in range(6):
-                    route()
-                    g.replay()
-                    torch.cuda.synchronize()
+                for _, outs in _replayed_steps(executor, calls, route,
+                                               (state.reset, counters.zero_), 6):
                     got.append([o[: T - 1].cpu() for o in outs])
                 branch.check()
                 assert (executor._side is not None) == overlap
