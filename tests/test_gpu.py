@@ -362,6 +362,23 @@ def _pinned_random_pool(L, E, H, I):
     return pool
 
 
+def _stand_in_runtime(state, num_experts, slots, filler, split, counters, num_valid,
+                      cpu_branch):
+    """What ``DecodeExecutor`` reads of a ``FreeTokenRuntime``: the cache (residency, experts
+    per layer, slot banks, filler, late fills), one split for every call, the counters,
+    ``num_valid`` and the CPU branch."""
+    from types import SimpleNamespace
+
+    from freetoken_sglang.cache.fills import LateFills
+
+    return SimpleNamespace(
+        cache=SimpleNamespace(residency=state, num_experts=num_experts, slot_banks=slots,
+                              late=LateFills(filler), filler=filler),
+        split_for=lambda rows: split, is_decode_sized=lambda rows: True,
+        counters=SimpleNamespace(of_phase=lambda phase: counters), num_valid=num_valid,
+        cpu_branch=cpu_branch)
+
+
 def _replayed_steps(executor, calls, route, resets, n):
     """Capture one decode step (``executor.run`` of every layer call) in a CUDA graph, run
     ``resets``, then for each of ``n`` steps ``route()`` and replay: yields ``(step, outs)``
@@ -393,7 +410,7 @@ def test_decode_executor_fill_steps_in_a_graph_equal_stock(overlap, monkeypatch,
     from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
-    from freetoken_sglang.cache.fills import Filler, LateFills
+    from freetoken_sglang.cache.fills import Filler
     from freetoken_sglang.cache.residency import FILL_ALL, ResidencyState
     from freetoken_sglang.execute import decode
     from freetoken_sglang.execute.contract import LayerCall
@@ -418,13 +435,8 @@ def test_decode_executor_fill_steps_in_a_graph_equal_stock(overlap, monkeypatch,
                               w2_weight=pool.layer_rows("w2_weight", l)) for l in range(L)]
     calls = [LayerCall(layer=layers[l], ordinal=l, x=x, topk_weights=w[l], topk_ids=ids[l],
                        topk_output=None) for l in range(L)]
-    rt = SimpleNamespace(
-        cache=SimpleNamespace(residency=state, num_experts=E, slot_banks=slots,
-                              late=LateFills(filler), filler=filler),
-        split_for=lambda rows: FILL_ALL, is_decode_sized=lambda rows: True,
-        counters=SimpleNamespace(of_phase=lambda phase: counters), num_valid=nv,
-        cpu_branch=None)
-    executor = decode.DecodeExecutor(rt)
+    executor = decode.DecodeExecutor(_stand_in_runtime(state, E, slots, filler, FILL_ALL,
+                                                       counters, nv, None))
     rng = random.Random(7)
 
     def route():
@@ -471,7 +483,7 @@ def test_qstar_decision_beside_the_alignment_changes_no_output(rule, monkeypatch
 
     from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
 
-    from freetoken_sglang.cache.fills import Filler, LateFills
+    from freetoken_sglang.cache.fills import Filler
     from freetoken_sglang.cache.residency import MissSplit, ResidencyState
     from freetoken_sglang.cpu.branch import CpuBranch
     from freetoken_sglang.cpu.executor import CpuExpertExecutor
@@ -514,13 +526,8 @@ def test_qstar_decision_beside_the_alignment_changes_no_output(rule, monkeypatch
         with CpuExpertExecutor(pool.banks, num_threads=4) as ex:
             branch = CpuBranch(ex, torch.device("cuda"), H, k, bf16, max_rows=T)
             assert branch.mode == "doorbell" and branch.fold
-            rt = SimpleNamespace(
-                cache=SimpleNamespace(residency=state, num_experts=E, slot_banks=slots,
-                                      late=LateFills(filler), filler=filler),
-                split_for=lambda rows: split, is_decode_sized=lambda rows: True,
-                counters=SimpleNamespace(of_phase=lambda phase: counters), num_valid=nv,
-                cpu_branch=branch)
-            executor = decode.DecodeExecutor(rt)
+            executor = decode.DecodeExecutor(_stand_in_runtime(state, E, slots, filler, split,
+                                                               counters, nv, branch))
             try:
                 route()
                 for c in calls:  # eager first: the kernels compile outside the capture
