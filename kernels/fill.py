@@ -140,6 +140,8 @@ def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count, remap=None) -> None:
     srcs, dsts = list(srcs), list(dsts)
     if len(srcs) != len(dsts):
         raise ValueError(f"copy_rows_banks: {len(srcs)} source banks, {len(dsts)} destinations")
+    if remap is not None and len(remap) not in (2, 3):
+        raise ValueError("copy_rows_banks: remap is (expert_ids, layer_slots[, keep_negative])")
     if remap is not None and not remap[0].is_contiguous():
         raise ValueError("copy_rows_banks: remap needs contiguous expert ids")
     k = src_idx.numel()

@@ -54,8 +54,9 @@ class Filler:
         """Copy pool row ``plan.src[i]`` into slot ``plan.dst[i]`` of every bank, for
         ``i < plan.count[0]``. ``remap = (expert_ids, layer_slots[, keep_negative])``
         (contiguous int ``[N]`` per-block expert ids of SGLang's token alignment, int32 ``[E]``
-        slots) also rewrites those ids to slot ids (``kernels.residency.remap_expert_ids_``),
-        in the fill's own launch under ``uva`` (``kernels.fill.copy_rows_banks``)."""
+        slots, bool: an expert without a slot gets -1 instead of slot 0) also rewrites those
+        ids to slot ids (``kernels.residency.remap_expert_ids_``), in the fill's own launch
+        under ``uva`` (``kernels.fill.copy_rows_banks``)."""
         if self.mode == "uva":
             from freetoken_sglang.kernels.fill import copy_rows_banks
 

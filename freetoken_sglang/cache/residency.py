@@ -112,7 +112,9 @@ class LayerDecision:
 
     ``routed_ids`` (int [T, k]) are the local expert ids for the GPU compute over slots:
     padded rows carry row 0's ids, and entries whose expert runs on the CPU are -1 (they
-    contribute nothing on the GPU); every other id is resident.
+    contribute nothing on the GPU); every other id is resident. (A decode call that runs the
+    decision beside SGLang's alignment, ``execute/decode.py``, computes from the router's ids
+    and the slots instead.)
 
     ``late`` (with ``MissSplit.late_fill``, else None): fills of CPU-run experts that no
     compute of this call waits for (``K`` entries of their own, like ``plan``).

@@ -24,18 +24,21 @@ def _late_slots_kept(cache, call: LayerCall) -> bool:
     return cache.residency.num_slots > cache.pool.num_layers * per_call
 
 
-#: On CUDA, a call under the fill policy runs its decision on a side stream beside SGLang's
-#: token alignment of the routing as the router gave it (the decision changes no entry of a
-#: call without CPU work: padded rows keep their experts, the remap sends a non-resident one
-#: to slot 0), joined before the fill; False runs them one after the other
-#: (bench_layer_overhead.py's lru against lru-seq).
+#: On CUDA, where SGLang's alignment precedes the fill (``aligns_before_fill``: not FP4), a
+#: call under the fill policy runs its decision on a side stream beside the alignment of the
+#: router's own ids, joined before the fill; False runs them one after the other
+#: (bench_layer_overhead.py's lru against lru-seq). Without CPU work the decision's ids
+#: differ from the router's only in padded rows (it gives them row 0's experts), whose output
+#: is discarded: there a non-resident expert reads slot 0. (The router's ids are in [0, E):
+#: SGLang masks padded rows to -1 only under expert parallelism, which FreeToken refuses.)
 OVERLAP_DECISION = True
 #: The same for calls that may send experts to the CPU (q*, cpu), where the decision posts
-#: the CPU work itself (the doorbell, ``CpuBranch.post_target``), there is no late fill (it
-#: gives a CPU-run expert its slot before the call) and SGLang's alignment precedes the fill
-#: (``aligns_before_fill``): a CPU expert's blocks then get its -1 slot from the remap, and
+#: the CPU work itself (the doorbell, ``CpuBranch.post_target``) and there is no late fill (a
+#: late-filled expert runs on the CPU in this call, yet its slot is already in the residency
+#: table when the remap reads it): a CPU expert's blocks get its -1 slot from the remap, and
 #: ``filter_expert`` gives them zero. Off until measured on a GPU (bench_layer_overhead.py's
-#: qstar-overlap against qstar; tests/test_gpu.py's doorbell test covers both).
+#: qstar-overlap against qstar; tests/test_gpu.py's
+#: test_qstar_decision_beside_the_alignment_changes_no_output and doorbell test).
 OVERLAP_CPU_POLICIES = False
 
 
@@ -60,11 +63,10 @@ class DecodeExecutor:
         """The stream the decision runs on beside the alignment, forked from the current one,
         or None (no overlap; ``OVERLAP_DECISION``, ``OVERLAP_CPU_POLICIES``)."""
         x = call.x
-        if not (OVERLAP_DECISION and x.is_cuda):
+        if not (OVERLAP_DECISION and aligns_before_fill(call.layer, x)):
             return None
         if split.may_run_cpu and not (OVERLAP_CPU_POLICIES and post is not None
-                                      and not split.late_fill
-                                      and aligns_before_fill(call.layer, x)):
+                                      and not split.late_fill):
             return None
         if self._side is None:
             self._side = torch.cuda.Stream(device=x.device)

@@ -12,7 +12,8 @@ those kernels cannot read: a call of at most ``DIRECT_FP4_MAX_PAIRS`` (token, ex
 (decode) runs ``kernels/fp4_moe.py``, which reads the FP4 codes and scales in the slots
 directly with the rounding points of SGLang's sequence (``_run_direct_fp4``); a larger one
 has its experts dequantized first and runs SGLang's kernels over them
-(``_run_dequantized``). SGLang private functions used: ``_prepare_fused_moe_run`` and
+(``_run_dequantized``). SGLang private functions used: ``_prepare_fused_moe_run`` (its
+``down_moe_use_tma`` result, turned off where entries are skipped) and
 ``_fused_moe_kernel_sequence``.
 """
 
@@ -64,7 +65,9 @@ def run_on_slots_triton(
         hidden_states: ``[T, H]`` activations.
         topk_weights: fp32 ``[T, k]`` router weights.
         routed_ids: int ``[T, k]`` local expert ids, every one resident, or -1 for an entry
-            served elsewhere (the CPU); ``residency.decide`` returns them.
+            served elsewhere (the CPU), as ``residency.decide`` returns them; or the router's
+            own ids where ``layer_slots`` gives a slot to every expert the GPU computes (and
+            -1 with ``skip_negative_ids`` to the rest; ``execute/decode.py``'s overlap).
         layer_slots: int32 ``[E]`` slot of each local expert.
         skip_negative_ids: some ids may be -1, or some experts have no slot (-1 in
             ``layer_slots``): SGLang's kernels then run with ``filter_expert`` (as under
@@ -132,9 +135,10 @@ def run_on_slots_triton(
         cfg.num_experts is None or cfg.num_experts != cfg.num_local_experts
     )
     if filter_expert and down_moe_use_tma:
-        # SGLang's gate-up kernel writes a skipped (-1) block's zeros at the flat token rows,
-        # while the TMA down path lays its rows out sorted: the zeros can land on another
-        # expert's rows. Without TMA both use the flat rows.
+        # SGLang 0.5.17's ``fused_moe_kernel`` (``c_sorted``, set by ``_prepare_fused_moe_run``'s
+        # ``down_moe_use_tma`` from a tuned config's ``USE_TMA``) writes a skipped (-1)
+        # block's zeros at the flat token rows while the TMA layout is sorted: the zeros can
+        # land on another expert's rows. Without TMA both use the flat rows.
         down_moe_use_tma = False
     return _fused_moe_kernel_sequence(
         hidden_states,
@@ -395,7 +399,8 @@ def run_on_slots(
         routed_ids: int ``[T, k]`` local ids, -1 for entries served elsewhere.
         layer_slots: int32 ``[E]`` slot row of each local expert the call may use.
         cache: the ``ExpertCache``.
-        skip_negative_ids: some ids may be -1.
+        skip_negative_ids: some ids may be -1, or some experts have no slot (CUDA: their
+            blocks are skipped).
         inplace: as in ``run_on_slots_triton`` (CUDA only; the native path never writes
             its input).
         fill: as in ``run_on_slots_triton`` (the native path launches it first).
