@@ -140,10 +140,13 @@ def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count, remap=None) -> None:
     srcs, dsts = list(srcs), list(dsts)
     if len(srcs) != len(dsts):
         raise ValueError(f"copy_rows_banks: {len(srcs)} source banks, {len(dsts)} destinations")
-    if remap is not None and len(remap) not in (2, 3):
-        raise ValueError("copy_rows_banks: remap is (expert_ids, layer_slots[, keep_negative])")
-    if remap is not None and not remap[0].is_contiguous():
-        raise ValueError("copy_rows_banks: remap needs contiguous expert ids")
+    if remap is not None:
+        if len(remap) not in (2, 3):
+            raise ValueError(
+                "copy_rows_banks: remap is (expert_ids, layer_slots[, keep_negative])")
+        ids, layer_slots, keep_negative = (*remap, False)[:3]
+        if not ids.is_contiguous():
+            raise ValueError("copy_rows_banks: remap needs contiguous expert ids")
     k = src_idx.numel()
     if k == 0 or not srcs:
         if remap is not None:
@@ -168,12 +171,10 @@ def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count, remap=None) -> None:
             args += args[:2] + [0, 0]
         grid = (min(k * total, _max_programs(dsts[start].device)),)
         if start == 0 and remap is not None:
-            ids, layer_slots = remap[:2]
             extra = (ids, ids.numel(), layer_slots, layer_slots.numel())
         else:  # (unused: REMAP is off)
             extra = (src_idx, 0, src_idx, 0)
         _copy_banks_kernel[grid](*args, src_idx, dst_idx, count, *extra, BLOCK=_BLOCK,
                                  REMAP=start == 0 and remap is not None,
                                  REMAP_BLOCK=_REMAP_BLOCK,
-                                 KEEP_NEGATIVE=remap is not None and len(remap) > 2
-                                 and bool(remap[2]))
+                                 KEEP_NEGATIVE=remap is not None and bool(keep_negative))
