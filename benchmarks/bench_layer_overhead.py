@@ -25,8 +25,8 @@ resident, slots, lru) the excess over stock SGLang's ``fused_experts`` on the la
   branch, which has no CPU item to run: its post and merge folded into the decision kernel
   and the MoE's sum (``CpuBranch.fold``); ``qstar-sep``: the same with the post and the
   merge as kernels of their own, as before they were folded (the A/B of that change);
-  ``qstar-overlap``: ``qstar`` with its decision beside the alignment
-  (``OVERLAP_CPU_POLICIES``);
+  ``qstar-seq``: ``qstar`` with its decision before the alignment, not beside it
+  (``OVERLAP_CPU_POLICIES`` off: the A/B of that overlap);
 - ``decide-full``: ``decide`` without the decision kernel's hit path (``DECIDE_HIT_PATH``
   off: the q table read and the CPU routing's reduction on every call); ``decide-acqrel``:
   ``decide`` with the counters' atomic adds fenced (``DECIDE_COUNTER_SEM="acq_rel"``);
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
             "lru-sep": lru_sep,
             "qstar": qstar,
             "qstar-sep": lambda i: qstar(i, fold=False),
-            "qstar-overlap": flipped(decode_mod, "OVERLAP_CPU_POLICIES", True, qstar),
+            "qstar-seq": flipped(decode_mod, "OVERLAP_CPU_POLICIES", False, qstar),
             "decide-miss": lambda i: decide(miss_state, miss_counters, i % LM, E, ids, w,
                                             num_valid),
         }
@@ -309,7 +309,7 @@ def main(argv=None) -> int:
                    "device": torch.cuda.get_device_name()}, f, indent=1)
     # whole MoE calls: their excess over stock
     whole = ("stock", "resident", "slots", "lru", "lru-seq", "lru-sep", "qstar", "qstar-sep",
-             "qstar-overlap")
+             "qstar-seq")
     print("| path | " + " | ".join(f"bs{T} us/call | bs{T} over stock" for T in rows) + " |")
     print("|---|" + "---:|---:|" * len(rows))
     for name in rows[next(iter(rows))]:

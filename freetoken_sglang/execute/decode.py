@@ -36,10 +36,11 @@ OVERLAP_DECISION = True
 #: the CPU work itself (the doorbell, ``CpuBranch.post_target``) and there is no late fill (a
 #: late-filled expert runs on the CPU in this call, yet its slot is already in the residency
 #: table when the remap reads it): a CPU expert's blocks get its -1 slot from the remap, and
-#: ``filter_expert`` gives them zero. Off until measured on a GPU (bench_layer_overhead.py's
-#: qstar-overlap against qstar; tests/test_gpu.py's
-#: test_qstar_decision_beside_the_alignment_changes_no_output and doorbell test).
-OVERLAP_CPU_POLICIES = False
+#: ``filter_expert`` gives them zero. Measured (benchmarks/RESULTS.md, Session 35): an all-hit
+#: q* call 2.51 / -2.07 us over stock at bs1 / bs4 against 6.63 / 2.59 in order
+#: (bench_layer_overhead.py's qstar against qstar-seq); tests/test_gpu.py's
+#: test_qstar_decision_beside_the_alignment_changes_no_output and the doorbell test pass.
+OVERLAP_CPU_POLICIES = True
 
 
 class DecodeExecutor:
