@@ -21,7 +21,8 @@ resident, slots, lru) the excess over stock SGLang's ``fused_experts`` on the la
   the same with the fill before the alignment and the remap a kernel of its own (as before
   they were one launch: the A/B of that change);
 - ``qstar``: ``DecodeExecutor.run``'s whole all-hit call under q* with the admission rule
-  (``MissSplit.may_run_cpu``: CPU entries masked, ``filter_expert``) and the doorbell CPU
+  (``MissSplit.may_run_cpu``: CPU entries masked, ``filter_expert``; the decision on a side
+  stream beside the alignment, ``OVERLAP_CPU_POLICIES``) and the doorbell CPU
   branch, which has no CPU item to run: its post and merge folded into the decision kernel
   and the MoE's sum (``CpuBranch.fold``); ``qstar-sep``: the same with the post and the
   merge as kernels of their own, as before they were folded (the A/B of that change);

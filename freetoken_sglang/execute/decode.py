@@ -36,10 +36,9 @@ OVERLAP_DECISION = True
 #: the CPU work itself (the doorbell, ``CpuBranch.post_target``) and there is no late fill (a
 #: late-filled expert runs on the CPU in this call, yet its slot is already in the residency
 #: table when the remap reads it): a CPU expert's blocks get its -1 slot from the remap, and
-#: ``filter_expert`` gives them zero. Measured (benchmarks/RESULTS.md, Session 35): an all-hit
-#: q* call 2.51 / -2.07 us over stock at bs1 / bs4 against 6.63 / 2.59 in order
-#: (bench_layer_overhead.py's qstar against qstar-seq); tests/test_gpu.py's
-#: test_qstar_decision_beside_the_alignment_changes_no_output and the doorbell test pass.
+#: ``filter_expert`` gives them zero. False runs them in order (bench_layer_overhead.py's qstar
+#: against qstar-seq; tests/test_gpu.py's
+#: test_qstar_decision_beside_the_alignment_changes_no_output).
 OVERLAP_CPU_POLICIES = True
 
 
