@@ -53,6 +53,7 @@ POLICIES = {
     "qstar-admit": ("qstar", True, False, False),
     "qstar-remiss": ("qstar", False, True, False),
     "qstar-return": ("qstar", False, False, True),
+    "qstar-both": ("qstar", True, True, False),  # admission + re-miss: exactly reused filled
 }
 
 

@@ -196,8 +196,9 @@ class FreeTokenConfig:
             help="With --freetoken-miss-policy qstar: on fills every miss whose last use is "
             "more recent than the least recently used slot's (an expert the CPU served and "
             "routed to again within the cache's LRU age), counted in the call's q* fills "
-            "(all of them where they outnumber q*), the other misses filling what is left; "
-            "off (default): q* splits every miss, as in the paper.",
+            "(all of them where they outnumber q*), the other misses filling what is left "
+            "(with --freetoken-admission reuse: none, they run on the CPU); off (default): q* "
+            "splits every miss, as in the paper.",
         ),
     )
     return_rule: str = field(
@@ -587,14 +588,13 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
             problems.append("--freetoken-return-rule on needs the branches' fixed costs: give "
                             "--freetoken-bandwidth B_P,B_H,F_P,F_H, or no --freetoken-bandwidth "
                             "(FreeToken measures them)")
-        # q*'s rules beside the admission rule: why each excludes it
+        # q*'s rules: qstar only; the return rule also excludes the admission rule (why)
         for name, why in (("return_rule", "would fill the misses --freetoken-admission reuse "
                                           "sends to the CPU on purpose"),
-                          ("fill_reused", "with --freetoken-admission reuse fills exactly the "
-                                          "reused misses and leaves q* nothing to split")):
+                          ("fill_reused", None)):
             if name in given and cfg.miss_policy != "qstar":
                 problems.append(f"{cli_name(name)} is used only by --freetoken-miss-policy qstar")
-            elif getattr(cfg, name) == "on" and cfg.admission != "off":
+            elif why and getattr(cfg, name) == "on" and cfg.admission != "off":
                 problems.append(f"{cli_name(name)} on {why}: give one of them")
         if "late_fill" in given and cfg.miss_policy != "qstar":
             problems.append("--freetoken-late-fill is used only by --freetoken-miss-policy qstar")

@@ -34,8 +34,9 @@ The admission rule (``--freetoken-admission reuse``, beyond the paper): under th
 experts that are evicted before their next use. A miss is fillable only if its last use is
 more recent than the least recently used slot's: had it been admitted then, it would still be
 resident, so its reuse distance is within the cache's residency time. The others run on the
-CPU and the cache keeps what it has; q* still caps the fills. The two rules exclude each
-other (together they would fill exactly the reused misses, and q* would split nothing).
+CPU and the cache keeps what it has; q* still caps the fills. With the re-miss rule too,
+exactly the reused misses are filled and the others run on the CPU, whatever q* and the
+lone-miss rule say: a second use within the cache's LRU age admits an expert.
 
 The return rule (``--freetoken-return-rule on``, beyond the paper): Eq. 4 weighs one call, but
 an expert the CPU served stays out of the cache, and if its routing returns before the cache
@@ -113,8 +114,8 @@ class MissPolicy:
     Raises:
         ValueError: unknown name, ``qstar`` without positive bandwidths, ``fixed_us`` or the
             return rule without ``expert_bytes``, the return rule without ``fixed_us``, a rule
-            without ``qstar``, the admission rule with the re-miss or the return rule, or the
-            late fill with the return rule, or ``late_all`` without ``late_fill``.
+            without ``qstar``, the admission rule with the return rule, or the late fill with
+            the return rule, or ``late_all`` without ``late_fill``.
     """
 
     name: str
@@ -143,9 +144,6 @@ class MissPolicy:
             rule = ("admission rule" if self.admission else "re-miss rule" if self.fill_reused
                     else "return rule" if self.return_rule else "late fill")
             raise ValueError(f"the {rule} needs the qstar miss policy")
-        if self.admission and self.fill_reused:
-            raise ValueError("the admission and re-miss rules together leave q* nothing to "
-                             "split: give one of them")
         if self.admission and self.return_rule:
             raise ValueError("the return rule would fill the misses the admission rule sends "
                              "to the CPU on purpose: give one of them")
@@ -200,9 +198,11 @@ class MissPolicy:
     @property
     def label(self) -> str:
         """The policy and its rules in the flags' words: ``fill``, ``qstar``, ``cpu``,
-        ``qstar+admission``, ``qstar+fill_reused``, each of the qstar ones optionally
-        followed by ``+return_rule``, ``+late_fill`` or ``+late_fill_all``."""
-        rule = "+admission" if self.admission else "+fill_reused" if self.fill_reused else ""
+        ``qstar+admission``, ``qstar+fill_reused``, ``qstar+admission+fill_reused``, each of the
+        qstar ones optionally followed by ``+return_rule``, ``+late_fill`` or
+        ``+late_fill_all``."""
+        rule = ("+admission" if self.admission else "") + ("+fill_reused" if self.fill_reused
+                                                             else "")
         return (self.name + rule + ("+return_rule" if self.return_rule else "")
                 + ("+late_fill" if self.late_fill else "")
                 + ("_all" if self.late_all else ""))
@@ -211,12 +211,16 @@ class MissPolicy:
         if self.name != "qstar":
             return self.name
         b_p, b_h = self.bandwidth
-        text = ("qstar with the admission rule (reuse) " if self.admission else
+        text = ("qstar with the admission and re-miss rules (every reused miss filled, the "
+                "others on the CPU) " if self.admission and self.fill_reused else
+                "qstar with the admission rule (reuse) " if self.admission else
                 "qstar with the re-miss rule " if self.fill_reused else "qstar ")
         text += "and the return rule " if self.return_rule else ""
         text += ("and the late fill of every admitted CPU run " if self.late_all else
                  "and the late fill " if self.late_fill else "")
         text += f"(B_P {b_p:.1f} GB/s, B_H {b_h:.1f} GB/s, q*/m = B_P/B_H = {b_p / b_h:.3f}"
+        if self.admission and self.fill_reused:
+            return text + "; q* and the lone-miss rule unused)"
         if self.fixed_us is None:
             return text + "; fixed costs unknown: no lone-miss rule)"
         f_p, f_h = self.fixed_us

@@ -78,6 +78,9 @@ def test_miss_policy_flags():
         {"enable_freetoken": True, "freetoken_miss_policy": "qstar", "freetoken_bandwidth": (20, 40)}
     )
     assert kw.bandwidth == (20.0, 40.0)
+    both = ft.pop_config({"enable_freetoken": True, "freetoken_miss_policy": "qstar",
+                          "freetoken_admission": "reuse", "freetoken_fill_reused": "on"})
+    assert (both.admission, both.fill_reused) == ("reuse", "on")
     # with cpu: kept for a change to qstar while serving (POST /freetoken/cache)
     assert ft.pop_config({"enable_freetoken": True, "freetoken_miss_policy": "cpu",
                           "freetoken_bandwidth": "10,20"}).bandwidth == (10.0, 20.0)
@@ -95,8 +98,6 @@ def test_miss_policy_flags():
         ({"freetoken_bandwidth": "10,20"}, "used only by --freetoken-miss-policy qstar"),
         ({"freetoken_admission": "reuse"}, "--freetoken-admission is used only by"),
         ({"freetoken_fill_reused": "on"}, "--freetoken-fill-reused is used only by"),
-        ({"freetoken_miss_policy": "qstar", "freetoken_fill_reused": "on",
-          "freetoken_admission": "reuse"}, "leaves q\\* nothing to split: give one of them"),
         ({"freetoken_return_rule": "on"}, "--freetoken-return-rule is used only by"),
         ({"freetoken_miss_policy": "qstar", "freetoken_return_rule": "on",
           "freetoken_admission": "reuse"}, "sends to the CPU on purpose: give one of them"),

@@ -96,8 +96,12 @@ def test_miss_policies():
     remiss = MissPolicy("qstar", (55.0, 110.0), fill_reused=True)
     assert remiss.decode_split == MissSplit(0.5, 1, fill_reused=True)
     assert "re-miss rule" in remiss.describe()
-    with pytest.raises(ValueError, match="leave q\\* nothing to split"):
-        MissPolicy("qstar", (55.0, 110.0), admission=True, fill_reused=True)
+    both = MissPolicy("qstar", (55.0, 110.0), (10.0, 20.0), 1, admission=True, fill_reused=True)
+    split = both.decode_split
+    assert (split.fill_ratio, split.admit_reuse, split.fill_reused) == (0.5, True, True)
+    assert both.label == "qstar+admission+fill_reused"
+    assert both.describe().startswith("qstar with the admission and re-miss rules")
+    assert both.describe().endswith("q* and the lone-miss rule unused)")
     with pytest.raises(ValueError, match="re-miss rule needs the qstar miss policy"):
         MissPolicy("cpu", fill_reused=True)
     with pytest.raises(ValueError, match="expert's bytes"):

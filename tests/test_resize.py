@@ -363,7 +363,8 @@ def _generate(url):
 
 
 def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
-    """A server started with qstar serves cpu, qstar with the admission rule and fill after
+    """A server started with qstar serves cpu, qstar with the admission rule (and the re-miss
+    rule), the return rule, the late fill and fill after
     ``POST /freetoken/cache`` changes them, each with the tokens qstar gave (fp32: every
     policy is stock's, tests/test_e2e_families.py) and the counters each policy leaves.
     B_P / B_H = 0.1: q* rounds up to 4 misses to no fill; the late fill (all) fills every CPU
@@ -380,10 +381,11 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
         to_cpu = post({"miss_policy": "cpu"})
         got_cpu, s1 = _generate(ft.url)
         to_admit = post({"miss_policy": "qstar", "admission": "reuse"})
-        both = post({"fill_reused": "on"})  # with the admission rule kept: refused
         got_admit, s2 = _generate(ft.url)
+        both = post({"fill_reused": "on"})  # the admission rule kept: exactly reused fill
+        got_both, s2b = _generate(ft.url)
         with_admit = post({"return_rule": "on"})  # the admission rule kept: refused
-        to_return = post({"admission": "off", "return_rule": "on"})
+        to_return = post({"admission": "off", "fill_reused": "off", "return_rule": "on"})
         got_return, s2r = _generate(ft.url)
         with_return = post({"late_fill": "on"})  # the return rule kept: refused
         to_late = post({"return_rule": "off", "late_fill": "all"})
@@ -402,9 +404,12 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     assert got_cpu == want and s1["miss_policy"] == "cpu"
     assert d(s0, s1, "cpu") > 0 and d(s0, s1, "fills") == 0  # decode never fills under cpu
     assert to_admit.status_code == 200 and to_admit.json()["miss_policy"] == "qstar+admission"
-    assert both.status_code == 400 and "give one of them" in both.json()["error"]
     assert got_admit == want and (s2["miss_policy"], s2["admission"]) == ("qstar", "reuse")
     assert d(s1, s2, "cpu") > 0
+    assert both.status_code == 200 and both.json()["miss_policy"] == "qstar+admission+fill_reused"
+    assert got_both == want and (s2b["admission"], s2b["fill_reused"]) == ("reuse", "on")
+    assert d(s2, s2b, "reads") > 0
+    s2 = s2b
     assert to_return.status_code == 200, to_return.text
     assert with_admit.status_code == 400 and "give one of them" in with_admit.json()["error"]
     assert to_return.json()["miss_policy"] == "qstar+return_rule"
@@ -425,7 +430,8 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     assert got_fill == want and (s3["miss_policy"], s3["admission"]) == ("fill", "off")
     assert d(s2, s3, "cpu") == 0 and d(s2, s3, "fills") > 0
     assert "decode misses now cpu (was qstar): " in log
-    assert "decode misses now qstar+return_rule (was qstar+admission): " in log
+    assert "decode misses now qstar+admission+fill_reused (was qstar+admission): " in log
+    assert "decode misses now qstar+return_rule (was qstar+admission+fill_reused): " in log
     assert "decode misses now qstar+late_fill_all (was qstar+return_rule): " in log
     assert "decode misses now fill (was qstar+late_fill_all): " in log
 
