@@ -45,15 +45,17 @@ from freetoken_sglang.observe.routing_replay import layer_map  # noqa: E402
 from freetoken_sglang.observe.routing_trace import RoutingTrace  # noqa: E402
 from servers import shape_config  # noqa: E402
 
-# label: (policy, admission, fill_reused, return_rule)
+# label: (policy, admission, fill_reused, return_rule, admission's useful form)
 POLICIES = {
-    "fill": ("fill", False, False, False),
-    "cpu": ("cpu", False, False, False),
-    "qstar": ("qstar", False, False, False),
-    "qstar-admit": ("qstar", True, False, False),
-    "qstar-remiss": ("qstar", False, True, False),
-    "qstar-return": ("qstar", False, False, True),
-    "qstar-both": ("qstar", True, True, False),  # admission + re-miss: exactly reused filled
+    "fill": ("fill", False, False, False, False),
+    "cpu": ("cpu", False, False, False, False),
+    "qstar": ("qstar", False, False, False, False),
+    "qstar-admit": ("qstar", True, False, False, False),
+    "qstar-remiss": ("qstar", False, True, False, False),
+    "qstar-return": ("qstar", False, False, True, False),
+    "qstar-both": ("qstar", True, True, False, False),  # admission + re-miss: reused filled
+    "qstar-useful": ("qstar", True, False, False, True),
+    "qstar-useful-remiss": ("qstar", True, True, False, True),
 }
 
 
@@ -139,9 +141,9 @@ def main(argv=None) -> int:
     # As bench_decode.py --cache-ratios runs a server: all resident, then shrunk to each ratio
     # in turn (decreasing), bs 1 then bs 4 at each, the cache carried over.
     for label in a.policies.split(","):
-        name, admit, remiss, ret = POLICIES[label]
-        pol = MissPolicy(name, bw[:2], bw[2:], s_bytes, admit, remiss, ret) \
-            if name == "qstar" else MissPolicy(name)
+        name, admit, remiss, ret, useful = POLICIES[label]
+        pol = MissPolicy(name, bw[:2], bw[2:], s_bytes, admit, remiss, ret,
+                         admit_useful=useful) if name == "qstar" else MissPolicy(name)
         state = ResidencyState(L * E, L * E, "cpu")
         state.make_all_resident()
         for ratio in (float(r) for r in a.ratios.split(",")):

@@ -181,12 +181,14 @@ class FreeTokenConfig:
     admission: str = field(
         default="off",
         metadata=dict(
-            type=_choice("off", "reuse"),
+            type=_choice("off", "reuse", "useful"),
             help="With --freetoken-miss-policy qstar: reuse fills only misses whose last "
             "use is more recent than the least recently used slot's (an expert that would "
             "not have survived in the cache since its last use runs on the CPU instead and "
-            "the cache keeps what it has, against thrash at small caches); off (default): "
-            "every miss may be filled.",
+            "the cache keeps what it has, against thrash at small caches); useful does so "
+            "only while the least recently used slot went unused since its last fill (the "
+            "cache's fills are evicted unused: thrash) and admits every miss otherwise; off "
+            "(default): every miss may be filled.",
         ),
     )
     fill_reused: str = field(

@@ -26,13 +26,13 @@ KEY_LATE_FILL = "freetoken_late_fill"
 # The policy keys of a body, their values, and the server_args key each travels as.
 POLICY_KEYS = {
     "miss_policy": (("fill", "qstar", "cpu"), KEY_POLICY),
-    "admission": (("off", "reuse"), KEY_ADMISSION),
+    "admission": (("off", "reuse", "useful"), KEY_ADMISSION),
     "fill_reused": (("off", "on"), KEY_FILL_REUSED),
     "return_rule": (("off", "on"), KEY_RETURN_RULE),
     "late_fill": (("off", "on", "all"), KEY_LATE_FILL),
 }
 BODIES = ('{"gb": G} or {"slots": N}, and/or {"miss_policy": "fill"|"qstar"|"cpu"} '
-          'with "admission": "off"|"reuse" or "fill_reused": "off"|"on", and/or '
+          'with "admission": "off"|"reuse"|"useful" and/or "fill_reused": "off"|"on", and/or '
           '"return_rule": "off"|"on", "late_fill": "off"|"on"|"all"')
 
 
@@ -159,8 +159,9 @@ def resize_cache(engine, slots: Optional[int] = None, gb: Optional[float] = None
     """Resize the GPU expert cache of an ``sglang.Engine(..., enable_freetoken=True)``, or
     change its miss policy, as ``POST /freetoken/cache`` does: at most one of ``slots`` and
     ``gb`` (GiB); ``miss_policy`` (``fill``, ``qstar``, ``cpu``) with ``admission``
-    (``off``, ``reuse``) or ``fill_reused`` (``off``, ``on``), and ``return_rule`` (``off``,
-    ``on``) or ``late_fill`` (``off``, ``on``, ``all``), as the flags of those names.
+    (``off``, ``reuse``, ``useful``) and/or ``fill_reused`` (``off``, ``on``), and
+    ``return_rule`` (``off``, ``on``) or ``late_fill`` (``off``, ``on``, ``all``), as the flags
+    of those names.
 
     Returns:
         The ``ResizeReport`` fields (old and new slots and bytes, experts kept and dropped,

@@ -37,6 +37,12 @@ resident, so its reuse distance is within the cache's residency time. The others
 CPU and the cache keeps what it has; q* still caps the fills. With the re-miss rule too,
 exactly the reused misses are filled and the others run on the CPU, whatever q* and the
 lone-miss rule say: a second use within the cache's LRU age admits an expert.
+In its useful form (``--freetoken-admission useful``) the rule is on only while the cache
+thrashes: as long as the least recently used slot has been hit since its last fill (the fills
+are used before they are evicted, as where the cache holds the working set), every miss is
+admitted as without the rule; once that slot's fill went unused until it became the least
+recently used, only reused misses are. The signal is the cache's own state, one comparison
+per call with misses, not a tuned constant.
 
 The return rule (``--freetoken-return-rule on``, beyond the paper): Eq. 4 weighs one call, but
 an expert the CPU served stays out of the cache, and if its routing returns before the cache
@@ -110,12 +116,14 @@ class MissPolicy:
         return_rule: the return rule (``qstar`` only; needs ``expert_bytes``).
         late_fill: the late fill (``qstar`` only; not with the return rule).
         late_all: with ``late_fill``, every admitted CPU run fills late (``all``).
+        admit_useful: with ``admission``, its useful form (``--freetoken-admission useful``).
 
     Raises:
         ValueError: unknown name, ``qstar`` without positive bandwidths, ``fixed_us`` or the
             return rule without ``expert_bytes``, the return rule without ``fixed_us``, a rule
             without ``qstar``, the admission rule with the return rule, or the late fill with
-            the return rule, or ``late_all`` without ``late_fill``.
+            the return rule, ``late_all`` without ``late_fill``, or ``admit_useful`` without
+            ``admission``.
     """
 
     name: str
@@ -127,6 +135,7 @@ class MissPolicy:
     return_rule: bool = False
     late_fill: bool = False
     late_all: bool = False
+    admit_useful: bool = False
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -147,6 +156,8 @@ class MissPolicy:
         if self.admission and self.return_rule:
             raise ValueError("the return rule would fill the misses the admission rule sends "
                              "to the CPU on purpose: give one of them")
+        if self.admit_useful and not self.admission:
+            raise ValueError("admit_useful is a form of the admission rule: give admission too")
         if self.late_all and not self.late_fill:
             raise ValueError("late_all is a form of the late fill: give late_fill too")
         if self.late_fill and self.return_rule:
@@ -165,13 +176,14 @@ class MissPolicy:
         if self.fixed_us is None:
             return MissSplit(b_p / b_h, min_fill, admit_reuse=self.admission,
                              fill_reused=self.fill_reused, late_fill=self.late_fill,
-                             late_all=self.late_all)
+                             late_all=self.late_all, admit_useful=self.admit_useful)
         f_p, f_h = self.fixed_us
         fill_us = self.expert_bytes / (b_p * 1e3)  # bytes / (GB/s) in us
         # Beside a saturated link the CPU reads at B_H - B_P (Eq. 2); none left: always fill.
         cpu_us = self.expert_bytes / ((b_h - b_p) * 1e3) if b_h > b_p else UNREACHABLE_US
         return MissSplit(b_p / b_h, min_fill, fill_us, cpu_us, f_p, f_h, self.admission,
-                         self.fill_reused, self.return_rule, self.late_fill, self.late_all)
+                         self.fill_reused, self.return_rule, self.late_fill, self.late_all,
+                         self.admit_useful)
 
     def split_for(self, num_tokens: int, decode: bool = True) -> MissSplit:
         """The split of a layer call over ``num_tokens`` rows (prefill-sized calls fill); in
@@ -198,11 +210,11 @@ class MissPolicy:
     @property
     def label(self) -> str:
         """The policy and its rules in the flags' words: ``fill``, ``qstar``, ``cpu``,
-        ``qstar+admission``, ``qstar+fill_reused``, ``qstar+admission+fill_reused``, each of the
-        qstar ones optionally followed by ``+return_rule``, ``+late_fill`` or
-        ``+late_fill_all``."""
-        rule = ("+admission" if self.admission else "") + ("+fill_reused" if self.fill_reused
-                                                             else "")
+        ``qstar+admission`` (``qstar+admission_useful``), ``qstar+fill_reused``,
+        ``qstar+admission+fill_reused``, each of the qstar ones optionally followed by
+        ``+return_rule``, ``+late_fill`` or ``+late_fill_all``."""
+        rule = (("+admission_useful" if self.admit_useful else "+admission") if self.admission
+                else "") + ("+fill_reused" if self.fill_reused else "")
         return (self.name + rule + ("+return_rule" if self.return_rule else "")
                 + ("+late_fill" if self.late_fill else "")
                 + ("_all" if self.late_all else ""))
@@ -211,16 +223,16 @@ class MissPolicy:
         if self.name != "qstar":
             return self.name
         b_p, b_h = self.bandwidth
-        text = ("qstar with the admission and re-miss rules (every reused miss filled, the "
-                "others on the CPU) " if self.admission and self.fill_reused else
-                "qstar with the admission rule (reuse) " if self.admission else
+        adm = "admission rule (useful)" if self.admit_useful else "admission rule (reuse)"
+        text = (f"qstar with the {adm} and the re-miss rule " if self.admission and
+                self.fill_reused else f"qstar with the {adm} " if self.admission else
                 "qstar with the re-miss rule " if self.fill_reused else "qstar ")
         text += "and the return rule " if self.return_rule else ""
         text += ("and the late fill of every admitted CPU run " if self.late_all else
                  "and the late fill " if self.late_fill else "")
         text += f"(B_P {b_p:.1f} GB/s, B_H {b_h:.1f} GB/s, q*/m = B_P/B_H = {b_p / b_h:.3f}"
-        if self.admission and self.fill_reused:
-            return text + "; q* and the lone-miss rule unused)"
+        if self.admission and self.fill_reused and not self.admit_useful:
+            return text + "; every reused miss filled, the others on the CPU)"
         if self.fixed_us is None:
             return text + "; fixed costs unknown: no lone-miss rule)"
         f_p, f_h = self.fixed_us

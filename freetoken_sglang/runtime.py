@@ -457,7 +457,8 @@ class FreeTokenRuntime:
                 (self.bandwidth.b_p, self.bandwidth.b_h),
                 self.bandwidth.fixed_us,
                 self.pool.expert_bytes,
-                admission=self.config.admission == "reuse",
+                admission=self.config.admission != "off",
+                admit_useful=self.config.admission == "useful",
                 fill_reused=self.config.fill_reused == "on",
                 return_rule=self.config.return_rule == "on",
                 late_fill=self.config.late_fill != "off",
@@ -820,7 +821,9 @@ class FreeTokenRuntime:
         cur = self.policy
         name = miss_policy or cur.name
         keep = miss_policy is None
-        adm = admission == "reuse" if admission is not None else keep and cur.admission
+        adm = admission != "off" if admission is not None else keep and cur.admission
+        useful = (admission == "useful" if admission is not None
+                  else keep and cur.admit_useful)
         reused = fill_reused == "on" if fill_reused is not None else keep and cur.fill_reused
         ret = return_rule == "on" if return_rule is not None else keep and cur.return_rule
         late = late_fill != "off" if late_fill is not None else keep and cur.late_fill
@@ -832,7 +835,7 @@ class FreeTokenRuntime:
                 "--freetoken-miss-policy qstar or cpu to change policies while serving")
         if name != "qstar":
             return MissPolicy(name, admission=adm, fill_reused=reused, return_rule=ret,
-                              late_fill=late, late_all=late_all)
+                              late_fill=late, late_all=late_all, admit_useful=useful)
         try:
             bw = self._resolve_bandwidth()
         except Exception as e:  # noqa: BLE001 - the server keeps serving its old policy
@@ -842,7 +845,7 @@ class FreeTokenRuntime:
                 "measures them)") from e
         return MissPolicy("qstar", (bw.b_p, bw.b_h), bw.fixed_us, self.pool.expert_bytes,
                           admission=adm, fill_reused=reused, return_rule=ret, late_fill=late,
-                          late_all=late_all)
+                          late_all=late_all, admit_useful=useful)
 
     def _set_policy(self, policy: MissPolicy) -> None:
         """Serve decode misses by ``policy`` from the next captured or eager forward (the

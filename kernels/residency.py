@@ -92,6 +92,7 @@ def _decide_kernel(
     late_dst_ptr,  # int32 [K] out (the late fill)
     late_count_ptr,  # int32 [1] out (the late fill)
     late_total_ptr,  # int64 [1] (the late fill)
+    filled_at_ptr,  # int64 [S+1] each slot's last fill (the useful admission)
     x_ptr,  # [T, H] layer input (the doorbell post)
     x_stride,
     n_rows,  # T
@@ -108,6 +109,7 @@ def _decide_kernel(
     BLOCK: tl.constexpr,
     SLOT_BLOCK: tl.constexpr,
     ADMIT: tl.constexpr,  # the admission rule (MissSplit.admit_reuse)
+    USEFUL: tl.constexpr,  # ... in its useful form (MissSplit.admit_useful)
     REFILL: tl.constexpr,  # the re-miss rule (MissSplit.fill_reused)
     RETURN: tl.constexpr,  # the return rule (MissSplit.return_rule)
     LATE: tl.constexpr,  # the late fill (MissSplit.late_fill)
@@ -168,6 +170,13 @@ def _decide_kernel(
         reused = within
     else:
         reused = miss & (e < 0)
+    if USEFUL:
+        # the least recently used slot (the smallest key) hit since its last fill admits
+        # every miss; no miss: no load
+        fa = tl.load(filled_at_ptr + ((kmin % S) + S) % S, mask=n_miss > 0, other=now)
+        admitted = reused | (miss & (oldest > fa))
+    else:
+        admitted = reused
     if RETURN:
         # The return rate r = R / N: misses whose expert is used again within the LRU age
         # (a hit, or a miss more recent than the least recently used slot) over the misses,
@@ -190,7 +199,7 @@ def _decide_kernel(
         forced = miss & (e < 0)
     rest = miss & (forced == 0)
     if ADMIT:
-        eligible = rest & reused
+        eligible = rest & admitted
     else:
         eligible = rest
     # q of the split (rounding and the lone-miss rule, forced fills counted), computed once on
@@ -232,7 +241,7 @@ def _decide_kernel(
         latem = miss & ((q == 0) & (q_base == 0))
         if LATE_ALL:
             if ADMIT:
-                latem = latem | (cpu & reused)
+                latem = latem | (cpu & admitted)
             else:
                 latem = latem | cpu
         lrank = q + tl.cumsum(latem.to(tl.int32), axis=0) - 1
@@ -261,6 +270,7 @@ def _decide_kernel(
         tl.store(res_ptr + flat, v.to(tl.int32))
         tl.store(owner_ptr + v, flat)
         tl.store(key_ptr + v, now * S + v)
+        tl.store(filled_at_ptr + v, now)
         if i < q:
             tl.store(src_ptr + i, flat)
             tl.store(dst_ptr + i, v.to(tl.int32))
@@ -463,11 +473,13 @@ def decide_triton(
         late.dst if late is not None else plan.dst,
         late.count if late is not None else plan.count,
         state.late,
+        state.filled_at,
         *post_args,
         E_PAD=triton.next_power_of_2(E),
         BLOCK=DECIDE_BLOCK,
         SLOT_BLOCK=_SLOT_BLOCK,
         ADMIT=bool(split.admit_reuse) and state.num_slots > 0,
+        USEFUL=bool(split.admit_reuse and split.admit_useful) and state.num_slots > 0,
         REFILL=bool(split.fill_reused) and state.num_slots > 0,
         RETURN=bool(split.return_rule) and state.num_slots > 0,
         LATE=late_on,

@@ -81,6 +81,8 @@ def test_miss_policy_flags():
     both = ft.pop_config({"enable_freetoken": True, "freetoken_miss_policy": "qstar",
                           "freetoken_admission": "reuse", "freetoken_fill_reused": "on"})
     assert (both.admission, both.fill_reused) == ("reuse", "on")
+    assert ft.pop_config({"enable_freetoken": True, "freetoken_miss_policy": "qstar",
+                          "freetoken_admission": "useful"}).admission == "useful"
     # with cpu: kept for a change to qstar while serving (POST /freetoken/cache)
     assert ft.pop_config({"enable_freetoken": True, "freetoken_miss_policy": "cpu",
                           "freetoken_bandwidth": "10,20"}).bandwidth == (10.0, 20.0)

@@ -100,8 +100,15 @@ def test_miss_policies():
     split = both.decode_split
     assert (split.fill_ratio, split.admit_reuse, split.fill_reused) == (0.5, True, True)
     assert both.label == "qstar+admission+fill_reused"
-    assert both.describe().startswith("qstar with the admission and re-miss rules")
-    assert both.describe().endswith("q* and the lone-miss rule unused)")
+    assert both.describe().startswith("qstar with the admission rule (reuse) and the re-miss")
+    assert both.describe().endswith("every reused miss filled, the others on the CPU)")
+    useful = MissPolicy("qstar", (55.0, 110.0), (10.0, 20.0), 1, admission=True,
+                        admit_useful=True)
+    assert useful.decode_split.admit_reuse and useful.decode_split.admit_useful
+    assert useful.label == "qstar+admission_useful"
+    assert useful.describe().startswith("qstar with the admission rule (useful) (B_P 55.0")
+    with pytest.raises(ValueError, match="a form of the admission rule"):
+        MissPolicy("qstar", (55.0, 110.0), admit_useful=True)
     with pytest.raises(ValueError, match="re-miss rule needs the qstar miss policy"):
         MissPolicy("cpu", fill_reused=True)
     with pytest.raises(ValueError, match="expert's bytes"):

@@ -25,6 +25,9 @@ from freetoken_sglang.cache.residency import (
 COSTED = MissSplit(0.25, 1, 200.0, 100.0, 10.0, 500.0)
 # The admission rule: only misses used since the least recently used slot's last use fill.
 ADMIT = MissSplit(0.6, 1, admit_reuse=True)
+# The useful admission: every miss admitted while the least recently used slot was hit since
+# its last fill, only the reused ones otherwise.
+USEFUL = MissSplit(0.6, 1, admit_reuse=True, admit_useful=True)
 # The re-miss rule (every miss used since that slot's last use fills, counted in q*; the other
 # misses fill what is left of q*), alone, with the cost check, and with admission.
 REFILL = MissSplit(0.25, 1, fill_reused=True)
@@ -44,7 +47,10 @@ SPLITS = [FILL_ALL, MissSplit(0.6, 1), MissSplit(0.25, 1), MissSplit(0.0, 0), CO
           MissSplit(0.25, 0, admit_reuse=True, late_fill=True),
           # every CPU run filled late (all), alone and with admission (the reused ones)
           MissSplit(0.25, 0, late_fill=True, late_all=True),
-          MissSplit(0.6, 0, admit_reuse=True, late_fill=True, late_all=True)]
+          MissSplit(0.6, 0, admit_reuse=True, late_fill=True, late_all=True),
+          # the useful admission: alone, with the re-miss rule, and with the late fill (all)
+          USEFUL, MissSplit(0.6, 1, admit_reuse=True, fill_reused=True, admit_useful=True),
+          MissSplit(0.6, 0, admit_reuse=True, late_fill=True, late_all=True, admit_useful=True)]
 
 
 class ReferenceLRU:
@@ -65,6 +71,8 @@ class ReferenceLRU:
         self.returns = np.zeros(2, dtype=np.float32)
         self.overruled = 0  # calls where the return rule filled the CPU experts
         self.late = 0  # late fills (the late fill)
+        self.filled_at = [-2] * num_slots  # the clock of each slot's last fill
+        self.useful = [0, 0]  # calls with misses where the LRU slot was / was not hit since
 
     def call(self, layer, ids, weights, num_valid, split, scale):
         used = sorted({int(e) for row in ids[:num_valid] for e in row})
@@ -76,6 +84,12 @@ class ReferenceLRU:
             self.stamp[self.slot_of[f]] = self.clock
         oldest = min(self.stamp) if self.S else 0  # -1 while a slot is empty
         reused = [f for f in misses if self.last_use[f] > oldest]
+        admitted = reused
+        if split.admit_useful and self.S and misses:
+            lru = min(range(self.S), key=lambda s: (self.stamp[s], s))
+            was_hit = self.stamp[lru] > self.filled_at[lru]
+            self.useful[0 if was_hit else 1] += 1
+            admitted = misses if was_hit else reused
         forced = reused if split.fill_reused else []
         self.forced += len(forced) if oldest >= 0 else 0
         rest = [f for f in misses if f not in forced]
@@ -88,7 +102,7 @@ class ReferenceLRU:
         ):
             q = m  # the CPU branch would end after filling all m: fill them
         q -= len(forced)
-        fillable = [f for f in rest if f in reused] if split.admit_reuse else rest
+        fillable = [f for f in rest if f in admitted] if split.admit_reuse else rest
         to_fill = sorted(forced + fillable[:q])
         if split.return_rule and self.S:
             # returns: experts missed at their last use, now a hit or a miss used since the
@@ -125,7 +139,7 @@ class ReferenceLRU:
             late = sorted(misses) if q0 == 0 else []
         if split.late_all and self.S:
             more = [f for f in to_cpu if f not in late
-                    and (f in reused or not split.admit_reuse)]
+                    and (f in admitted or not split.admit_reuse)]
             late = sorted(late + more)
         self.late += len(late)
         order = sorted(range(self.S), key=lambda s: (self.stamp[s], s))
@@ -139,6 +153,7 @@ class ReferenceLRU:
             self.owner[victim] = f
             self.slot_of[f] = victim
             self.stamp[victim] = self.clock
+            self.filled_at[victim] = self.clock
             fills.append((f, victim))
         self.late_fills = fills[q:]
         fills = fills[:q]
@@ -252,6 +267,10 @@ def test_decide_matches_reference_lru(seed):
     assert (ref.overruled > 0) == split.return_rule
     assert state.missed.tolist() == [int(x) for x in ref.missed]
     assert state.returns.tolist() == ref.returns.tolist()
+    assert state.filled_at[:S].tolist() == ref.filled_at
+    # the useful admission admitted every miss in some calls and only the reused in others
+    # (where the cache cannot hold every expert)
+    assert (min(ref.useful) > 0) == (split.admit_useful and S < L * E), ref.useful
 
 
 def test_qstar_split_counts():
@@ -577,7 +596,7 @@ def _assert_same_decision(da, db, a, b, step):
         assert db.late.src[:nl].tolist() == da.late.src[:nl].tolist()
         assert db.late.dst[:nl].tolist() == da.late.dst[:nl].tolist()
     for name in ("residency", "owner", "key", "clock", "last_use", "missed", "returns",
-                 "late"):
+                 "late", "filled_at"):
         assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
 
 

@@ -341,8 +341,9 @@ def test_resize_under_load_matches_stock_sglang(tiny_checkpoint, tmp_path):
     assert not_json.json()["error"].startswith("the body is not JSON (")
     assert not_json.json()["error"].endswith('send {"gb": G} or {"slots": N}, and/or '
                                              '{"miss_policy": "fill"|"qstar"|"cpu"} with '
-                                             '"admission": "off"|"reuse" or "fill_reused": '
-                                             '"off"|"on", and/or "return_rule": "off"|"on", '
+                                             '"admission": "off"|"reuse"|"useful" and/or '
+                                             '"fill_reused": "off"|"on", and/or "return_rule": '
+                                             '"off"|"on", '
                                              '"late_fill": "off"|"on"|"all"')
     assert final["cache"]["slots"] == 24 and final["cache"]["resizes"] == len(SIZES)
     assert log.count("GPU expert cache resized (request)") == len(SIZES)
@@ -384,6 +385,8 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
         got_admit, s2 = _generate(ft.url)
         both = post({"fill_reused": "on"})  # the admission rule kept: exactly reused fill
         got_both, s2b = _generate(ft.url)
+        to_useful = post({"admission": "useful"})  # the re-miss rule kept
+        got_useful, s2u = _generate(ft.url)
         with_admit = post({"return_rule": "on"})  # the admission rule kept: refused
         to_return = post({"admission": "off", "fill_reused": "off", "return_rule": "on"})
         got_return, s2r = _generate(ft.url)
@@ -409,7 +412,11 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     assert both.status_code == 200 and both.json()["miss_policy"] == "qstar+admission+fill_reused"
     assert got_both == want and (s2b["admission"], s2b["fill_reused"]) == ("reuse", "on")
     assert d(s2, s2b, "reads") > 0
-    s2 = s2b
+    assert to_useful.status_code == 200, to_useful.text
+    assert to_useful.json()["miss_policy"] == "qstar+admission_useful+fill_reused"
+    assert got_useful == want and (s2u["admission"], s2u["fill_reused"]) == ("useful", "on")
+    assert d(s2b, s2u, "reads") > 0
+    s2 = s2u
     assert to_return.status_code == 200, to_return.text
     assert with_admit.status_code == 400 and "give one of them" in with_admit.json()["error"]
     assert to_return.json()["miss_policy"] == "qstar+return_rule"
@@ -431,7 +438,10 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     assert d(s2, s3, "cpu") == 0 and d(s2, s3, "fills") > 0
     assert "decode misses now cpu (was qstar): " in log
     assert "decode misses now qstar+admission+fill_reused (was qstar+admission): " in log
-    assert "decode misses now qstar+return_rule (was qstar+admission+fill_reused): " in log
+    assert ("decode misses now qstar+admission_useful+fill_reused (was "
+            "qstar+admission+fill_reused): ") in log
+    assert ("decode misses now qstar+return_rule (was qstar+admission_useful+fill_reused): "
+            in log)
     assert "decode misses now qstar+late_fill_all (was qstar+return_rule): " in log
     assert "decode misses now fill (was qstar+late_fill_all): " in log
 

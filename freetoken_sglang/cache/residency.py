@@ -20,6 +20,8 @@ The state, shared by all MoE layers:
     returns    fp32  [2]        (R, N): decayed counts of returns and of misses in calls under
                                 the return rule (its rate r = R / N; a resize starts them at 0)
     late       int64 [1]        late fills planned since the last reset (``MissSplit.late_fill``)
+    filled_at  int64 [S + 1]    clock value of each slot's last fill (-2: none since the cache
+                                was built; last entry: a sink); the useful admission reads it
 
 LRU order: the victims of a call's fills are the slots with the smallest keys, i.e. the
 least recently used, ties broken by the lowest slot. Experts used by the call are stamped
@@ -54,7 +56,11 @@ class MissSplit:
     fill the rest of ``q``), and the cost check weighs the ``m - max(f, q)`` CPU experts
     (``fill_count_after``). With ``admit_reuse`` (the admission rule) only reused misses may be
     filled (at most q of them, in expert order); the other misses run on the CPU and leave the
-    cache as it is. With both, exactly the reused misses are filled.
+    cache as it is. With both, exactly the reused misses are filled. With ``admit_useful``
+    too (the useful admission) every miss is admitted, as without the rule, while the least
+    recently used slot has been hit since its last fill (its stamp is newer than its
+    ``filled_at``: the cache's fills are being used before they are evicted), and only the
+    reused ones otherwise (the fills are evicted unused: thrash).
 
     With ``return_rule`` (``miss_policy.py``) the c CPU experts left after the above stay on
     the CPU only if the time they save now exceeds the fills they are expected to cost later
@@ -67,7 +73,7 @@ class MissSplit:
     CPU and also plans their fills into LRU victims, which the executor carries out *after*
     the call, beside the GPU's work (``LayerDecision.late``): the call does not wait for
     them, and the experts are resident for their next use. With ``late_all`` too, every
-    other CPU run of a call is filled late as well (with ``admit_reuse``: the reused ones);
+    other CPU run of a call is filled late as well (with ``admit_reuse``: the admitted ones);
     the call's own fills take the least recently used victims, the late ones the next."""
 
     fill_ratio: float = 1.0
@@ -81,6 +87,7 @@ class MissSplit:
     return_rule: bool = False
     late_fill: bool = False
     late_all: bool = False
+    admit_useful: bool = False
 
     @property
     def may_run_cpu(self) -> bool:
@@ -159,6 +166,7 @@ class ResidencyState:
         self.missed = torch.zeros(num_rows, dtype=torch.int8, device=device)
         self.returns = torch.zeros(2, dtype=torch.float32, device=device)
         self.late = torch.zeros(1, dtype=torch.int64, device=device)
+        self.filled_at = torch.full((num_slots + 1,), -2, dtype=torch.int64, device=device)
 
     @property
     def return_rate(self) -> float:
@@ -183,6 +191,7 @@ class ResidencyState:
         self.missed.zero_()
         self.returns.zero_()
         self.late.zero_()
+        self.filled_at.fill_(-2)
 
     def make_all_resident(self) -> None:
         """Slot ``i`` holds flat expert ``i`` for every expert.
@@ -387,7 +396,14 @@ def decide_reference(
                            rn.new_zeros(())).clamp(max=1.0)
     forced = reused if split.fill_reused else torch.zeros_like(miss)
     rest = miss & ~forced
-    eligible = rest & reused if split.admit_reuse else rest
+    if split.admit_reuse and split.admit_useful and oldest is not None:
+        # the useful admission: the least recently used slot hit since its last fill admits
+        # every miss (its stamp is the oldest; keys are unique, so argmin is that slot)
+        lru = torch.argmin(state.key)
+        admitted = reused | (oldest > state.filled_at[lru])
+    else:
+        admitted = reused
+    eligible = rest & admitted if split.admit_reuse else rest
     q = torch.minimum(fill_count_after(forced.sum().int(), rest.sum().int(), split),
                       eligible.sum().int())
     fill = forced | (eligible & (torch.cumsum(eligible.int(), 0) - 1 < q))
@@ -402,7 +418,7 @@ def decide_reference(
         late_call = (fill.sum() == 0) & (fill_count(miss.sum().int(), split) == 0)
         late = miss & late_call
         if split.late_all:
-            late = late | (cpu & reused if split.admit_reuse else cpu)
+            late = late | (cpu & admitted if split.admit_reuse else cpu)
     else:
         late = torch.zeros_like(miss)
     # a slot for each: the call's own fills take the first victims, the late ones the next
@@ -432,6 +448,8 @@ def decide_reference(
     key_ext = torch.cat([state.key, state.key.new_zeros(1)])
     key_ext.index_copy_(0, victim.long(), now * S + victim.long())
     state.key.copy_(key_ext[:S])
+    state.filled_at.index_fill_(0, victim.long(), now.squeeze(0))  # (non-fills: the sink)
+    state.filled_at[S] = -2
     layer_last.copy_(torch.where(used, now, layer_last))
 
     # Fill lists: compact the call's own fills, and apart the late ones, in expert order.

@@ -86,7 +86,9 @@ def stats_document(rt) -> Dict[str, object]:
         }
     out["backend"] = rt.backend
     out["miss_policy"] = rt.policy.name if rt.policy else None
-    out["admission"] = "reuse" if rt.policy is not None and rt.policy.admission else "off"
+    pol = rt.policy
+    out["admission"] = ("off" if pol is None or not pol.admission
+                        else "useful" if pol.admit_useful else "reuse")
     out["fill_reused"] = "on" if rt.policy is not None and rt.policy.fill_reused else "off"
     out["return_rule"] = "on" if rt.policy is not None and rt.policy.return_rule else "off"
     out["late_fill"] = ("off" if rt.policy is None or not rt.policy.late_fill
