@@ -53,8 +53,12 @@ def test_decide_on_cuda_matches_reference():
         # ... of every CPU run (all), alone and with admission
         late_all = MissSplit(0.4, 0, late_fill=True, late_all=True)
         late_all_admit = MissSplit(0.4, 0, admit_reuse=True, late_fill=True, late_all=True)
+        # the useful admission, alone and with the re-miss rule
+        useful = MissSplit(0.6, 1, admit_reuse=True, admit_useful=True)
+        useful_refill = MissSplit(0.6, 1, admit_reuse=True, fill_reused=True, admit_useful=True)
         split = (rng.choice([MissSplit(0.6, 1), MissSplit(0.7, 1), costed, admit, refill, both,
-                             ret, ret, late, late_admit, late_all, late_all_admit])
+                             ret, ret, late, late_admit, late_all, late_all_admit, useful,
+                             useful_refill])
                  if T <= 16 else MissSplit(1.0, 0))
         ids = torch.tensor([rng.sample(range(E), k) for _ in range(T)], dtype=torch.int32)
         w = torch.rand(T, k)
@@ -76,7 +80,7 @@ def test_decide_on_cuda_matches_reference():
             assert db.late.dst[:nl].tolist() == da.late.dst[:nl].tolist()
     assert a.late.item() > 0
     for name in ("residency", "owner", "key", "clock", "last_use", "missed", "returns",
-                 "late"):
+                 "late", "filled_at"):
         assert torch.equal(getattr(a, name), getattr(b, name).cpu()), name
     assert torch.equal(ca, cb.cpu())
 
