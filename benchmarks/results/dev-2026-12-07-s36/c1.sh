@@ -1,0 +1,9 @@
+# s36 call 1 (prepared, not run: no device machine started in Session 36): issue 14, BF16 q* then the useful admission (alone, with the re-miss rule), fill, cpu, the re-miss rule; 50/25/10%, trained trace, one server (stock: s35 calls 2 and 5). Needs _scratch/s31_common.sh (results/h100-2026-12-07-s35/), results moved aside to fit the carry; LIMIT: seconds the matrix may run; SKIP_GPUTEST=1 skips the CUDA kernel check.
+source _scratch/s31_common.sh
+touch $OUT/gputest.log; [ -n "$SKIP_GPUTEST" ] || timeout 60 python3 -m pytest -q -x tests/test_gpu.py -k "decide_on_cuda_matches_reference" > $OUT/gputest.log 2>&1; tail -2 $OUT/gputest.log
+T=benchmarks/results/h200-2026-12-03-s14/train/tr/trace_W4.npz
+NO_STOCK=1 THEN="useful=qstar,--freetoken-admission,useful fill=fill cpu=cpu usereu=qstar,--freetoken-admission,useful,--freetoken-fill-reused,on reu=qstar,--freetoken-fill-reused,on" timeout $((${LIMIT:-585} - SECONDS)) bash benchmarks/decode_matrix.sh $OUT/m 0.5,0.25,0.1 $T qstar > $OUT/m.log 2>&1; echo rc=$? >> $OUT/m.log
+finish > /dev/null
+rm -rf $OUT/m/*.safetensors 2>/dev/null
+grep "^|" $OUT/m.log > $OUT/tables.md
+cd $OUT && tar czf all.tgz env.log mem.log gputest.log m.log m; grep "^|" m.log | tail -40; tail -3 m.log

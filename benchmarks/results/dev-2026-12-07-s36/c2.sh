@@ -1,0 +1,8 @@
+# s36 call 2 (prepared, not run): issue 13, FP8 Qwen3 shape at 10%: q* then fill, the re-miss rule, the admission rule, cpu on one server, stock beside, trained trace
+source _scratch/s31_common.sh
+T=benchmarks/results/h200-2026-12-03-s14/train/tr/trace_W4.npz
+SHAPE=qwen3-30b-a3b-fp8 THEN="fill=fill reu=qstar,--freetoken-fill-reused,on admit=qstar,--freetoken-admission,reuse cpu=cpu" timeout 560 bash benchmarks/decode_matrix.sh $OUT/f 0.1 $T qstar > $OUT/f.log 2>&1; echo rc=$? >> $OUT/f.log
+finish > /dev/null
+rm -rf $OUT/f/*.safetensors 2>/dev/null
+grep "^|" $OUT/f.log > $OUT/tables.md
+cd $OUT && tar czf all.tgz env.log mem.log f.log f; grep "^|" f.log | tail -30; tail -3 f.log
