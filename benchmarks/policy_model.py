@@ -39,7 +39,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from freetoken_sglang.cache.residency import ResidencyState, decide_reference  # noqa: E402
-from freetoken_sglang.cache.resize import install, kept_experts  # noqa: E402
+from freetoken_sglang.cache.resize import install, kept_experts, kept_fill_clocks  # noqa: E402
 from freetoken_sglang.miss_policy import MissPolicy  # noqa: E402
 from freetoken_sglang.observe.routing_replay import layer_map  # noqa: E402
 from freetoken_sglang.observe.routing_trace import RoutingTrace  # noqa: E402
@@ -80,7 +80,8 @@ def shrink(state: ResidencyState, slots: int, E: int) -> ResidencyState:
     """The cache after a resize to ``slots`` (``cache/resize.py``: the most recently used
     experts stay; from the all-resident cache, the same share of every layer)."""
     new = ResidencyState(state.num_rows, slots, "cpu")
-    install(new, None, kept_experts(state, slots, E), int(state.clock))
+    kept = kept_experts(state, slots, E)
+    install(new, None, kept, int(state.clock), kept_fill_clocks(state, kept))
     return new
 
 

@@ -199,8 +199,8 @@ class FreeTokenConfig:
             "more recent than the least recently used slot's (an expert the CPU served and "
             "routed to again within the cache's LRU age), counted in the call's q* fills "
             "(all of them where they outnumber q*), the other misses filling what is left "
-            "(with --freetoken-admission reuse: none, they run on the CPU); off (default): q* "
-            "splits every miss, as in the paper.",
+            "(with --freetoken-admission: only those it admits); off (default): q* splits "
+            "every miss, as in the paper.",
         ),
     )
     return_rule: str = field(
@@ -222,7 +222,7 @@ class FreeTokenConfig:
             "after the call, beside the GPU's work on the next layers, so the call does not "
             "wait for the fill and the expert is resident for its next use; q* then drops "
             "the paper's at-least-one fill; all also fills every other CPU run late (those "
-            "--freetoken-admission reuse admits, where it is on). off (default): Eq. 4 as "
+            "--freetoken-admission admits, where it is on). off (default): Eq. 4 as "
             "in the paper.",
         ),
     )
@@ -591,7 +591,7 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
                             "--freetoken-bandwidth B_P,B_H,F_P,F_H, or no --freetoken-bandwidth "
                             "(FreeToken measures them)")
         # q*'s rules: qstar only; the return rule also excludes the admission rule (why)
-        for name, why in (("return_rule", "would fill the misses --freetoken-admission reuse "
+        for name, why in (("return_rule", "would fill the misses --freetoken-admission "
                                           "sends to the CPU on purpose"),
                           ("fill_reused", None)):
             if name in given and cfg.miss_policy != "qstar":

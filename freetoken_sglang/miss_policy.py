@@ -36,7 +36,8 @@ more recent than the least recently used slot's: had it been admitted then, it w
 resident, so its reuse distance is within the cache's residency time. The others run on the
 CPU and the cache keeps what it has; q* still caps the fills. With the re-miss rule too,
 exactly the reused misses are filled and the others run on the CPU, whatever q* and the
-lone-miss rule say: a second use within the cache's LRU age admits an expert.
+lone-miss rule say (the late fill may still fill a call's misses after it): a second use
+within the cache's LRU age admits an expert.
 In its useful form (``--freetoken-admission useful``) the rule is on only while the cache
 thrashes: as long as the least recently used slot has been hit since its last fill (the fills
 are used before they are evicted, as where the cache holds the working set), every miss is

@@ -677,7 +677,7 @@ class FreeTokenRuntime:
         most recently used experts that fit, frees the old slot banks before allocating the
         new ones (GPU memory goes back to the device), re-captures SGLang's CUDA graphs and
         keeps the counters. Paper §2.3, §3.3. With ``miss_policy`` (``fill``, ``qstar``,
-        ``cpu``; ``admission`` ``off``/``reuse``, ``fill_reused`` and ``return_rule``
+        ``cpu``; ``admission`` ``off``/``reuse``/``useful``, ``fill_reused`` and ``return_rule``
         ``off``/``on``, ``late_fill`` ``off``/``on``/``all``, as the
         flags), the decode miss policy changes at the same point (no size: the same size);
         a rule given alone changes the current q*'s.
@@ -688,7 +688,8 @@ class FreeTokenRuntime:
                 fit in free device memory, or a policy this server cannot run
                 (``_policy_for``); the cache and the policy are then unchanged.
         """
-        from freetoken_sglang.cache.resize import ResizeReport, check_invariants, kept_experts
+        from freetoken_sglang.cache.resize import (ResizeReport, check_invariants,
+                                                   kept_experts, kept_fill_clocks)
 
         t0 = time.perf_counter()
         policy_asked = (miss_policy, admission, fill_reused, return_rule,
@@ -734,6 +735,7 @@ class FreeTokenRuntime:
         old_layout, old_slots = old.layout, old.num_slots
         # most recently used first
         everything = kept_experts(old.residency, old.residency.num_slots, self.num_experts)
+        filled = kept_fill_clocks(old.residency, everything)
         clock = int(old.residency.clock.item())
         last_use = old.residency.last_use.clone()
         saved = self._serving_state()
@@ -747,13 +749,14 @@ class FreeTokenRuntime:
         old = None
         self._drop_cache(graphs)  # the old banks go first: the kept experts come from the pool
         try:
-            recaptured = self._build_cache(layout, everything, clock, last_use, graphs)
+            recaptured = self._build_cache(layout, everything, clock, last_use, graphs,
+                                           filled)
         except Exception as e:  # noqa: BLE001 - out of memory, a capture failure: roll back
             logger.error("FreeToken: resizing the cache to %d slots failed (%s: %s); "
                          "rebuilding it at %d slots", new_slots, type(e).__name__, e, old_slots)
             self._drop_cache(graphs)
             self._set_policy(old_policy)
-            self._build_cache(old_layout, everything, clock, last_use, graphs)
+            self._build_cache(old_layout, everything, clock, last_use, graphs, filled)
             self._restore_serving_state(saved)
             raise ValueError(
                 f"the resize to {new_slots} slots failed ({type(e).__name__}: {e}); the cache "
@@ -815,8 +818,8 @@ class FreeTokenRuntime:
 
         Raises:
             ValueError: a policy that runs misses on the CPU on a server started without the
-                CPU branch (``fill``), rules without ``qstar`` or both rules (``MissPolicy``),
-                or a failed bandwidth measurement.
+                CPU branch (``fill``), rules without ``qstar`` or rules that exclude each
+                other (``MissPolicy``), or a failed bandwidth measurement.
         """
         cur = self.policy
         name = miss_policy or cur.name
@@ -877,9 +880,10 @@ class FreeTokenRuntime:
             torch.cuda.empty_cache()
 
     def _build_cache(self, layout: SlotLayout, everything, clock: int, last_use,
-                     graphs: tuple) -> list:
+                     graphs: tuple, filled=None) -> list:
         """A cache of ``layout`` with its executors and CUDA graphs, holding the most recent
-        of ``everything`` (``cache.resize.kept_experts``' pairs) that fit its LRU."""
+        of ``everything`` (``cache.resize.kept_experts``' pairs) that fit its LRU, with their
+        last fill clocks (``filled``, ``cache.resize.kept_fill_clocks``)."""
         from freetoken_sglang.cache.resize import install
 
         self.cache = self._new_cache(layout)
@@ -889,7 +893,7 @@ class FreeTokenRuntime:
         recaptured = self._recapture_graphs(graphs)
         if not self.cache.all_resident:
             install(self.cache.residency, self.cache.filler, everything[: layout.lru_slots],
-                    clock)
+                    clock, filled)
         self.cache.residency.last_use.copy_(last_use)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

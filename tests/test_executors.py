@@ -278,9 +278,10 @@ def test_borrowed_buffers_evict_the_oldest_and_seed_the_last_layers(buffers, pub
                         seeded += 1
                         assert int(st.owner[slot]) == flat and int(st.residency[flat]) == slot
                         assert int(st.key[slot]) == (int(clock0) + 1) * S + slot
+                        assert int(st.filled_at[slot]) == int(clock0) + 1  # filled now
             for s in lent:
                 if int(st.owner[s]) < 0:
-                    assert int(st.key[s]) == s - S
+                    assert int(st.key[s]) == s - S and int(st.filled_at[s]) == -2
             # Evicted experts that were not seeded back are gone from the residency table.
             for flat in evicted:
                 if int(st.residency[flat]) >= 0:

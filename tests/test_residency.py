@@ -383,6 +383,31 @@ def test_remiss_rule_fills_an_expert_the_cpu_served(use_kernel, fill_reused):
 
 
 @pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])
+@pytest.mark.parametrize("useful", [False, True])
+def test_useful_admission_admits_while_the_lru_slot_was_hit_since_its_fill(use_kernel, useful):
+    # One layer, 2 slots, every admitted miss filled. 1: 0 and 1 fill the empty slots (clock
+    # 1). 2: 0 hits. 3: 2 misses, never used: the LRU slot (1's) went unused since its fill,
+    # so both forms send it to the CPU. 4: 1 hits. 5: 3 misses, never used; the LRU slot (0's)
+    # was hit since its fill: the useful form fills 3 there, reuse runs it on the CPU. 6: 4
+    # likewise (the LRU slot is 1's, hit at 4). 7: 5 misses; the LRU slot holds 3, filled at
+    # 5 and unused since: the CPU under both.
+    split = MissSplit(1.0, 0, admit_reuse=True, admit_useful=useful)
+    state, _, plans, cpu = one_row_calls(use_kernel, split, 8, 2,
+                                         ([0, 1], [0], [2], [1], [3], [4], [5]))
+    fills = [list(zip(src, dst)) for src, dst in plans]
+    if useful:
+        assert fills == [[(0, 0), (1, 1)], [], [], [], [(3, 0)], [(4, 1)], []]
+        assert cpu == [[], [], [2], [], [], [], [5]]
+        assert state.filled_at.tolist() == [5, 6, -2]
+    else:
+        assert fills == [[(0, 0), (1, 1)], [], [], [], [], [], []]
+        assert cpu == [[], [], [2], [], [3], [4], [5]]
+        assert state.filled_at.tolist() == [1, 1, -2]
+    state.reset()
+    assert state.filled_at.tolist() == [-2, -2, -2]
+
+
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])
 def test_remiss_rule_counts_its_fills_in_q(use_kernel):
     # One layer of 16 experts, 6 slots, q*/m = 0.5 with the re-miss rule.
     # 1: six misses into empty slots, all reused (a slot is empty): 0-5 fill.

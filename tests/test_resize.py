@@ -15,6 +15,7 @@ import torch
 
 from freetoken_sglang.cache.residency import ResidencyState, decide
 from freetoken_sglang.cache.resize import (check_invariants, install, kept_experts,
+                                           kept_fill_clocks,
                                            min_free_target, resize_allowance,
                                            runtime_reserve, shrink_floor)
 from freetoken_sglang.control import KEY_ID, from_args, parse_body, to_args
@@ -61,12 +62,16 @@ def test_install_restores_the_lru_order_in_a_smaller_state():
     st = _state_after_calls()
     kept = kept_experts(st, 3, 8)
     small = ResidencyState(st.num_rows, 3, "cpu")
-    install(small, None, kept, int(st.clock))
+    filled = kept_fill_clocks(st, kept)
+    assert filled == [int(st.filled_at[int(st.residency[f])]) for f, _ in kept]
+    assert all(c >= 1 for c in filled)  # every kept expert came in by a fill here
+    install(small, None, kept, int(st.clock), filled)
     assert check_invariants(small) == []
     assert int(small.clock) == int(st.clock)
     for slot, (flat, stamp) in enumerate(kept):
         assert int(small.residency[flat]) == slot and int(small.owner[slot]) == flat
         assert int(small.stamp[slot]) == stamp
+    assert small.filled_at.tolist() == filled + [-2]  # the useful admission's history
     # the next miss evicts the least recently used of the kept ones (the last in ``kept``)
     counters = torch.zeros(5, 2, dtype=torch.int64)
     decide(small, counters, 0, 8, torch.tensor([[6]], dtype=torch.int32), torch.ones(1, 1),

@@ -56,7 +56,8 @@ class MissSplit:
     fill the rest of ``q``), and the cost check weighs the ``m - max(f, q)`` CPU experts
     (``fill_count_after``). With ``admit_reuse`` (the admission rule) only reused misses may be
     filled (at most q of them, in expert order); the other misses run on the CPU and leave the
-    cache as it is. With both, exactly the reused misses are filled. With ``admit_useful``
+    cache as it is. With both, exactly the reused misses are filled by the call (the late fill
+    below aside). With ``admit_useful``
     too (the useful admission) every miss is admitted, as without the rule, while the least
     recently used slot has been hit since its last fill (its stamp is newer than its
     ``filled_at``: the cache's fills are being used before they are evicted), and only the

@@ -82,11 +82,22 @@ def kept_experts(state: ResidencyState, limit: int,
     return held[: max(0, limit)]
 
 
+def kept_fill_clocks(state: ResidencyState, kept: List[Tuple[int, int]]) -> List[int]:
+    """The clock of each ``kept`` expert's last fill in ``state`` (``ResidencyState.filled_at``
+    of its slot; -2: none since that cache was built), for ``install``."""
+    if not kept:
+        return []
+    flat = torch.tensor([f for f, _ in kept], dtype=torch.long, device=state.owner.device)
+    return state.filled_at[state.residency[flat].long()].tolist()
+
+
 def install(state: ResidencyState, filler: Optional[Filler], kept: List[Tuple[int, int]],
-            clock: int) -> None:
+            clock: int, filled: Optional[List[int]] = None) -> None:
     """Put ``kept`` (``kept_experts``' pairs) into slots ``0 .. n-1`` of an empty cache, with
     their stamps and the old clock, so the LRU order among them is what it was; slots past
-    them stay empty (first victims).
+    them stay empty (first victims). ``filled``: the kept experts' last fill clocks
+    (``kept_fill_clocks``), so the useful admission reads the same history; without it they
+    count as never filled (-2: hit since, like an all-resident cache's).
 
     Raises:
         ValueError: more experts than LRU slots.
@@ -107,6 +118,8 @@ def install(state: ResidencyState, filler: Optional[Filler], kept: List[Tuple[in
     state.residency[flat.long()] = slots
     state.owner[:n] = flat
     state.key[:n] = stamps * state.num_slots + slots.long()
+    if filled is not None:
+        state.filled_at[:n] = torch.tensor(filled[:n], dtype=torch.int64, device=dev)
 
 
 def check_invariants(state: ResidencyState) -> List[str]:

@@ -201,6 +201,9 @@ class PrefillStreamExecutor:
                 self.counts["lru_seeded"] += int(
                     (self.res_host[h * E : (h + 1) * E] < 0).sum()) - (cpu[1] if cpu else 0)
             st.key.index_copy_(0, bs, torch.where(seed, st.clock * S + bs, bs - S))
+            # a seeded slot counts as filled now (the useful admission); an empty one as never
+            st.filled_at.index_copy_(0, bs, torch.where(seed, st.clock.expand_as(bs),
+                                                        torch.full_like(bs, -2)))
 
     def _issue(self, ordinal: int) -> None:
         """Copy layer ``ordinal``'s non-resident experts into its buffer. While SGLang
