@@ -11,7 +11,8 @@ slot's LRU key is ``stamp * S + slot``, so the least recently used slot is simpl
 smallest key; a chosen victim is re-keyed with the current stamp, so the next search skips
 it. Calls with no miss never scan the slots nor read the q table, and calls with no CPU item
 skip the CPU routing (the hit path; with the admission or the re-miss rule, a call with
-misses scans the slots once more for the least recently used stamp). Results are identical to
+misses scans the slots once more for the least recently used stamp, and the useful admission
+loads that slot's last fill). Results are identical to
 the torch reference in ``freetoken_sglang/cache/residency.py``.
 """
 
