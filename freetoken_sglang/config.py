@@ -590,14 +590,12 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
             problems.append("--freetoken-return-rule on needs the branches' fixed costs: give "
                             "--freetoken-bandwidth B_P,B_H,F_P,F_H, or no --freetoken-bandwidth "
                             "(FreeToken measures them)")
-        # q*'s rules: qstar only; the return rule also excludes the admission rule (why)
-        for name, why in (("return_rule", "would fill the misses --freetoken-admission "
-                                          "sends to the CPU on purpose"),
-                          ("fill_reused", None)):
+        for name in ("return_rule", "fill_reused"):
             if name in given and cfg.miss_policy != "qstar":
                 problems.append(f"{cli_name(name)} is used only by --freetoken-miss-policy qstar")
-            elif why and getattr(cfg, name) == "on" and cfg.admission != "off":
-                problems.append(f"{cli_name(name)} on {why}: give one of them")
+        if cfg.miss_policy == "qstar" and cfg.return_rule == "on" and cfg.admission != "off":
+            problems.append("--freetoken-return-rule on would fill the misses "
+                            "--freetoken-admission sends to the CPU on purpose: give one of them")
         if "late_fill" in given and cfg.miss_policy != "qstar":
             problems.append("--freetoken-late-fill is used only by --freetoken-miss-policy qstar")
         elif cfg.late_fill != "off" and cfg.return_rule == "on":

@@ -12,8 +12,8 @@ smallest key; a chosen victim is re-keyed with the current stamp, so the next se
 it. Calls with no miss never scan the slots nor read the q table, and calls with no CPU item
 skip the CPU routing (the hit path; with the admission or the re-miss rule, a call with
 misses scans the slots once more for the least recently used stamp, and the useful admission
-loads that slot's last fill). Results are identical to
-the torch reference in ``freetoken_sglang/cache/residency.py``.
+loads that slot's last fill). Results are identical to the torch reference in
+``freetoken_sglang/cache/residency.py``.
 """
 
 from __future__ import annotations

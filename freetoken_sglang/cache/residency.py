@@ -57,11 +57,10 @@ class MissSplit:
     (``fill_count_after``). With ``admit_reuse`` (the admission rule) only reused misses may be
     filled (at most q of them, in expert order); the other misses run on the CPU and leave the
     cache as it is. With both, exactly the reused misses are filled by the call (the late fill
-    below aside). With ``admit_useful``
-    too (the useful admission) every miss is admitted, as without the rule, while the least
-    recently used slot has been hit since its last fill (its stamp is newer than its
-    ``filled_at``: the cache's fills are being used before they are evicted), and only the
-    reused ones otherwise (the fills are evicted unused: thrash).
+    below aside). With ``admit_useful`` too (the useful admission) every miss is admitted, as
+    without the rule, while the least recently used slot has been hit since its last fill (its
+    stamp is newer than its ``filled_at``: the cache's fills are being used before they are
+    evicted), and only the reused ones otherwise (the fills are evicted unused: thrash).
 
     With ``return_rule`` (``miss_policy.py``) the c CPU experts left after the above stay on
     the CPU only if the time they save now exceeds the fills they are expected to cost later

@@ -85,14 +85,14 @@ def stats_document(rt) -> Dict[str, object]:
             "late_fills": int(rt.cache.residency.late.item()),
         }
     out["backend"] = rt.backend
-    out["miss_policy"] = rt.policy.name if rt.policy else None
     pol = rt.policy
+    out["miss_policy"] = pol.name if pol else None
     out["admission"] = ("off" if pol is None or not pol.admission
                         else "useful" if pol.admit_useful else "reuse")
-    out["fill_reused"] = "on" if rt.policy is not None and rt.policy.fill_reused else "off"
-    out["return_rule"] = "on" if rt.policy is not None and rt.policy.return_rule else "off"
-    out["late_fill"] = ("off" if rt.policy is None or not rt.policy.late_fill
-                        else "all" if rt.policy.late_all else "on")
+    out["fill_reused"] = "on" if pol is not None and pol.fill_reused else "off"
+    out["return_rule"] = "on" if pol is not None and pol.return_rule else "off"
+    out["late_fill"] = ("off" if pol is None or not pol.late_fill
+                        else "all" if pol.late_all else "on")
     if rt.choice is not None:
         out["prefill_mode"] = {
             "mode": rt.choice.prefill,
