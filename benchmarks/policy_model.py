@@ -55,7 +55,7 @@ POLICIES = {
     "qstar-return": ("qstar", False, False, True, False),
     "qstar-both": ("qstar", True, True, False, False),  # admission + re-miss: reused filled
     "qstar-useful": ("qstar", True, False, False, True),
-    "qstar-useful-remiss": ("qstar", True, True, False, True),
+    "qstar-useful-remiss": ("qstar", True, True, False, True),  # reused filled while calm
 }
 
 

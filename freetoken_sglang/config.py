@@ -199,7 +199,8 @@ class FreeTokenConfig:
             "more recent than the least recently used slot's (an expert the CPU served and "
             "routed to again within the cache's LRU age), counted in the call's q* fills "
             "(all of them where they outnumber q*), the other misses filling what is left "
-            "(with --freetoken-admission: only those it admits); off (default): q* splits "
+            "(with --freetoken-admission: only those it admits; with useful, the reused "
+            "misses are filled only while it admits every miss); off (default): q* splits "
             "every miss, as in the paper.",
         ),
     )

@@ -43,7 +43,11 @@ thrashes: as long as the least recently used slot has been hit since its last fi
 are used before they are evicted, as where the cache holds the working set), every miss is
 admitted as without the rule; once that slot's fill went unused until it became the least
 recently used, only reused misses are. The signal is the cache's own state, one comparison
-per call with misses, not a tuned constant.
+per call with misses, not a tuned constant. With the re-miss rule too, the reused misses are
+filled only while calm (the first state): under thrash a forced fill evicts another slot's
+unused fill, so there they are only admitted, q* splitting them (measured on trained routing,
+Session 37: the re-miss rule cost the useful admission 4% at bs4 and 10% cache, and gained it
+3% at bs1 and 50%).
 
 The return rule (``--freetoken-return-rule on``, beyond the paper): Eq. 4 weighs one call, but
 an expert the CPU served stays out of the cache, and if its routing returns before the cache
@@ -234,6 +238,8 @@ class MissPolicy:
         text += f"(B_P {b_p:.1f} GB/s, B_H {b_h:.1f} GB/s, q*/m = B_P/B_H = {b_p / b_h:.3f}"
         if self.admission and self.fill_reused and not self.admit_useful:
             return text + "; every reused miss filled, the others on the CPU)"
+        if self.admit_useful and self.fill_reused:
+            text += "; reused misses filled while the cache is calm"
         if self.fixed_us is None:
             return text + "; fixed costs unknown: no lone-miss rule)"
         f_p, f_h = self.fixed_us

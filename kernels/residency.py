@@ -172,11 +172,13 @@ def _decide_kernel(
     else:
         reused = miss & (e < 0)
     if USEFUL:
-        # the least recently used slot (the smallest key) hit since its last fill admits
-        # every miss; no miss: no load
+        # the least recently used slot (the smallest key) hit since its last fill (calm)
+        # admits every miss; no miss: no load
         fa = tl.load(filled_at_ptr + ((kmin % S) + S) % S, mask=n_miss > 0, other=now)
-        admitted = reused | (miss & (oldest > fa))
+        calm = oldest > fa
+        admitted = reused | (miss & calm)
     else:
+        calm = n_miss >= 0
         admitted = reused
     if RETURN:
         # The return rate r = R / N: misses whose expert is used again within the LRU age
@@ -192,10 +194,11 @@ def _decide_kernel(
         n_cnt = tl.load(returns_ptr + 1) * dec
         rate = tl.where(n_cnt > 0, tl.minimum(tl.div_rn(r_cnt, tl.maximum(n_cnt, 1e-30)), 1.0),
                         0.0)
-    # The re-miss rule fills every reused miss and counts it in q; the rest of q goes to the
-    # other misses (the table's row of the forced count).
+    # The re-miss rule fills every reused miss (with the useful admission: while calm) and
+    # counts it in q; the rest of q goes to the other misses (the table's row of the forced
+    # count).
     if REFILL:
-        forced = reused
+        forced = reused & calm
     else:
         forced = miss & (e < 0)
     rest = miss & (forced == 0)

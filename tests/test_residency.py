@@ -90,7 +90,9 @@ class ReferenceLRU:
             was_hit = self.stamp[lru] > self.filled_at[lru]
             self.useful[0 if was_hit else 1] += 1
             admitted = misses if was_hit else reused
-        forced = reused if split.fill_reused else []
+        # the re-miss rule; with the useful admission only while the LRU slot was hit (calm)
+        calm = not split.admit_useful or admitted is misses
+        forced = reused if split.fill_reused and calm else []
         self.forced += len(forced) if oldest >= 0 else 0
         rest = [f for f in misses if f not in forced]
         m = len(misses)
@@ -405,6 +407,30 @@ def test_useful_admission_admits_while_the_lru_slot_was_hit_since_its_fill(use_k
         assert state.filled_at.tolist() == [1, 1, -2]
     state.reset()
     assert state.filled_at.tolist() == [-2, -2, -2]
+
+
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])
+@pytest.mark.parametrize("useful", [False, True])
+def test_useful_admission_fills_reused_misses_only_while_calm(use_kernel, useful):
+    # One layer, 2 slots, the admission and re-miss rules, q* = 0 for the other misses.
+    # 1: 0 and 1 fill the empty slots (clock 1). 2: 2 misses, never used: the CPU. 3: 2 misses
+    # again, reused (used at 2, after the oldest slot's stamp 1); the LRU slot (0's) went
+    # unused since its fill (thrash): the useful form runs 2 on the CPU, reuse fills it (slot
+    # 0). From there the useful form: 4: 0 and 1 hit (the LRU slot, 0's, now hit since its
+    # fill: calm). 5: 2 misses, not reused (last use 3, before the stamps of 4): admitted, but
+    # q* = 0: the CPU. 6: 2 reused and calm: filled (slot 0).
+    split = MissSplit(0.0, 0, admit_reuse=True, fill_reused=True, admit_useful=useful)
+    calls = ([0, 1], [2], [2], [0, 1], [2], [2])
+    state, _, plans, cpu = one_row_calls(use_kernel, split, 8, 2, calls[:3] if not useful
+                                         else calls)
+    fills = [list(zip(src, dst)) for src, dst in plans]
+    if useful:
+        assert fills == [[(0, 0), (1, 1)], [], [], [], [], [(2, 0)]]
+        assert cpu == [[], [2], [2], [], [2], []]
+        assert state.filled_at.tolist() == [6, 1, -2]
+    else:
+        assert fills == [[(0, 0), (1, 1)], [], [(2, 0)]]
+        assert cpu == [[], [2], []]
 
 
 @pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])

@@ -60,7 +60,10 @@ class MissSplit:
     below aside). With ``admit_useful`` too (the useful admission) every miss is admitted, as
     without the rule, while the least recently used slot has been hit since its last fill (its
     stamp is newer than its ``filled_at``: the cache's fills are being used before they are
-    evicted), and only the reused ones otherwise (the fills are evicted unused: thrash).
+    evicted; *calm*), and only the reused ones otherwise (the fills are evicted unused:
+    thrash); with ``fill_reused`` as well, the reused misses are filled only while calm (under
+    thrash a forced fill would evict another slot's unused fill again), and under thrash they
+    are admitted as above.
 
     With ``return_rule`` (``miss_policy.py``) the c CPU experts left after the above stay on
     the CPU only if the time they save now exceeds the fills they are expected to cost later
@@ -395,14 +398,17 @@ def decide_reference(
         rate = torch.where(rn[1] > 0, rn[0] / rn[1].clamp(min=1e-30),
                            rn.new_zeros(())).clamp(max=1.0)
     forced = reused if split.fill_reused else torch.zeros_like(miss)
-    rest = miss & ~forced
     if split.admit_reuse and split.admit_useful and oldest is not None:
-        # the useful admission: the least recently used slot hit since its last fill admits
-        # every miss (its stamp is the oldest; keys are unique, so argmin is that slot)
+        # the useful admission: while the least recently used slot was hit since its last
+        # fill (calm; its stamp is the oldest, keys are unique, so argmin is that slot) every
+        # miss is admitted and the re-miss rule fills the reused ones; else neither
         lru = torch.argmin(state.key)
-        admitted = reused | (oldest > state.filled_at[lru])
+        calm = oldest > state.filled_at[lru]
+        admitted = reused | calm
+        forced = forced & calm
     else:
         admitted = reused
+    rest = miss & ~forced
     eligible = rest & admitted if split.admit_reuse else rest
     q = torch.minimum(fill_count_after(forced.sum().int(), rest.sum().int(), split),
                       eligible.sum().int())
