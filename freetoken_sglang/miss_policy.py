@@ -23,12 +23,13 @@ The re-miss rule (``--freetoken-fill-reused on``, off by default; beyond the pap
 an expert the CPU served is not in the cache, so when its routing repeats it misses again,
 and Eq. 4 weighs one call only. A miss is *reused* when its last use is more recent than the
 least recently used slot's: had it been filled then, it would still be resident, so it is
-filled now. Each expert then runs on the CPU at most once per stay within the cache's LRU age.
-The threshold is the cache's own LRU age, not a tuned constant (``cache/residency.py``). The
-forced fills take their PCIe time out of Eq. 4's balance: of m misses with f reused,
-``max(f, q*(m))`` are filled, the reused ones first, and the lone-miss rule weighs the CPU
-experts left. Off by default: not measured in this form (benchmarks/RESULTS.md, Session 18,
-measured a form that filled up to ``f + q*(m - f)``).
+filled now (with the useful admission below: only while the cache is calm). Each expert then
+runs on the CPU at most once per stay within the cache's LRU age. The threshold is the cache's
+own LRU age, not a tuned constant (``cache/residency.py``). The forced fills take their PCIe
+time out of Eq. 4's balance: of m misses with f reused, ``max(f, q*(m))`` are filled, the
+reused ones first, and the lone-miss rule weighs the CPU experts left. Off by default: with
+plain q* on trained routing 0.988 of fill at bs1 and 50% cache, 0.503 of cpu at bs4 and 10%
+(benchmarks/RESULTS.md, Session 37).
 
 The admission rule (``--freetoken-admission reuse``, beyond the paper): under thrash, LRU fills
 experts that are evicted before their next use. A miss is fillable only if its last use is
@@ -45,9 +46,9 @@ admitted as without the rule; once that slot's fill went unused until it became 
 recently used, only reused misses are. The signal is the cache's own state, one comparison
 per call with misses, not a tuned constant. With the re-miss rule too, the reused misses are
 filled only while calm (the first state): under thrash a forced fill evicts another slot's
-unused fill, so there they are only admitted, q* splitting them (measured on trained routing,
-Session 37: the re-miss rule cost the useful admission 4% at bs4 and 10% cache, and gained it
-3% at bs1 and 50%).
+unused fill, so there they are only admitted, q* splitting them. (Measured on trained routing
+before this gate, Session 37: the re-miss rule in every state changed the useful admission by
++2.9% and +0.8% at bs1 with 50% and 25% cache, by -0.4% to -6.2% in the other four cells.)
 
 The return rule (``--freetoken-return-rule on``, beyond the paper): Eq. 4 weighs one call, but
 an expert the CPU served stays out of the cache, and if its routing returns before the cache
@@ -239,7 +240,7 @@ class MissPolicy:
         if self.admission and self.fill_reused and not self.admit_useful:
             return text + "; every reused miss filled, the others on the CPU)"
         if self.admit_useful and self.fill_reused:
-            text += "; reused misses filled while the cache is calm"
+            text += "; reused misses filled while the LRU slot was hit since its fill"
         if self.fixed_us is None:
             return text + "; fixed costs unknown: no lone-miss rule)"
         f_p, f_h = self.fixed_us

@@ -85,13 +85,12 @@ class ReferenceLRU:
         oldest = min(self.stamp) if self.S else 0  # -1 while a slot is empty
         reused = [f for f in misses if self.last_use[f] > oldest]
         admitted = reused
-        if split.admit_useful and self.S and misses:
+        calm = True  # the re-miss rule's gate under the useful admission
+        if split.admit_reuse and split.admit_useful and self.S and misses:
             lru = min(range(self.S), key=lambda s: (self.stamp[s], s))
-            was_hit = self.stamp[lru] > self.filled_at[lru]
-            self.useful[0 if was_hit else 1] += 1
-            admitted = misses if was_hit else reused
-        # the re-miss rule; with the useful admission only while the LRU slot was hit (calm)
-        calm = not split.admit_useful or admitted is misses
+            calm = self.stamp[lru] > self.filled_at[lru]  # the LRU slot hit since its fill
+            self.useful[0 if calm else 1] += 1
+            admitted = misses if calm else reused
         forced = reused if split.fill_reused and calm else []
         self.forced += len(forced) if oldest >= 0 else 0
         rest = [f for f in misses if f not in forced]
