@@ -430,6 +430,12 @@ def test_useful_admission_fills_reused_misses_only_while_calm(use_kernel, useful
     else:
         assert fills == [[(0, 0), (1, 1)], [], [(2, 0)]]
         assert cpu == [[], [2], []]
+    # Under thrash the reused miss is admitted, so a q* that fills every admitted miss fills it
+    # at call 3 (the useful form), while the non-reused one at call 2 still runs on the CPU.
+    split = MissSplit(1.0, 0, admit_reuse=True, fill_reused=True, admit_useful=useful)
+    _, _, plans, cpu = one_row_calls(use_kernel, split, 8, 2, calls[:3])
+    assert [list(zip(src, dst)) for src, dst in plans] == [[(0, 0), (1, 1)], [], [(2, 0)]]
+    assert cpu == [[], [2], []]
 
 
 @pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])
