@@ -2,9 +2,10 @@
 
     python benchmarks/policy_model.py TRACE.npz [--ratios 0.5,0.25,0.1] [--bs 1,4]
 
-Replays a trace's decode rows (``observe/routing_trace.py``; ``bs`` consecutive rows per step,
-cycling, trace layers spread over the shape's MoE layers as ``--freetoken-replay-routing``
-does) through the server's own decision (``cache.residency.decide_reference``, the kernel's
+Replays a trace's decode rows (``observe/routing_trace.py``; trace layers spread over the
+shape's MoE layers as ``--freetoken-replay-routing`` does; by default in the order
+``bench_decode.py`` consumes them, ``run_bench_cell``, else ``bs`` consecutive rows per step,
+cycling) through the server's own decision (``cache.residency.decide_reference``, the kernel's
 tested reference) for each miss policy (``miss_policy.MissPolicy``). As ``bench_decode.py
 --cache-ratios`` runs a server, the cache starts all resident and is shrunk to each ratio in
 turn (``cache/resize.py``), bs 1 then bs 4 at each, ``--warm-steps`` unmeasured steps first.
@@ -110,6 +111,61 @@ def run_cell(ids: np.ndarray, lmap, E: int, state: ResidencyState, bs: int, poli
             "fills_per_step": fills / steps, "cpu_per_step": cpu / steps}
 
 
+def run_bench_cell(ids: np.ndarray, lmap, E: int, state: ResidencyState, policy: MissPolicy,
+                   stock: dict, s_bytes: int, bw, new_tokens: int = 64) -> list:
+    """One cache size as ``bench_decode.py``'s ``measure_decode`` runs it after a resize or a
+    policy change (the replay rewound to row 0), both batch sizes: a warm-up request of 16
+    tokens and a warm-up batch of 4, then 2 requests at batch 1 and 4 concurrent ones of
+    ``new_tokens``, their decode counters and modelled tok/s measured as the benchmark's
+    windows. Its prompts repeat from cell to cell (a fixed seed), so SGLang's radix cache
+    leaves each request a one-row prefill (a batch of 4: one row, then three), each a
+    layer call through the LRU like a decode step; a request of n tokens runs n + 1
+    one-row forwards, as the server's counters show. Returns the bs 1 and bs 4 results."""
+    L = len(lmap)
+    split = policy.decode_split
+    rows_n = ids.shape[0]
+    counters = torch.zeros(5, L, dtype=torch.int64)
+    cursor, window = 0, None
+    totals = {1: [0.0, 0, 0, 0, 0], 4: [0.0, 0, 0, 0, 0]}  # us, reads, hits, fills, cpu
+
+    def forward(rows: int) -> None:
+        nonlocal cursor
+        block = torch.from_numpy(ids[[(cursor + i) % rows_n for i in range(rows)]].astype(np.int32))
+        cursor += rows
+        w, nv = torch.ones(rows, ids.shape[2]), torch.tensor([rows], dtype=torch.int32)
+        allhit = 1e6 * min(rows, 4) / stock[4 if rows > 1 else 1] / L
+        for layer in range(L):
+            before = counters[:, layer].clone()
+            decide_reference(state, counters, layer, E, block[:, lmap[layer]].contiguous(), w,
+                             nv, split)
+            d = (counters[:, layer] - before).tolist()  # reads, hits, fills, evictions, cpu
+            if window is not None:
+                t = totals[window]
+                t[0] += layer_us(d[2], d[4], allhit, s_bytes, bw)
+                t[1], t[2], t[3], t[4] = t[1] + d[0], t[2] + d[1], t[3] + d[2], t[4] + d[4]
+
+    for _ in range(17):  # the warm-up request: its prefill row and 16 more
+        forward(1)
+    forward(1), forward(3)  # the warm-up batch's prefills, then 16 steps of 4
+    for _ in range(16):
+        forward(4)
+    window = 1
+    for _ in range(2 * (new_tokens + 1)):
+        forward(1)
+    window = 4
+    forward(1), forward(3)
+    for _ in range(new_tokens):
+        forward(4)
+    out = []
+    for bs, (us, reads, hits, fills, cpu) in totals.items():
+        steps = 2 * (new_tokens + 1) if bs == 1 else new_tokens + 1
+        out.append({"tok_s": bs * (new_tokens + 1) * (2 if bs == 1 else 1) / (us * 1e-6),
+                    "hit_rate": hits / reads, "reads": reads, "hits": hits, "fills": fills,
+                    "cpu": cpu, "fills_per_step": fills / steps, "cpu_per_step": cpu / steps,
+                    "bs": bs})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
@@ -117,7 +173,16 @@ def main(argv=None) -> int:
     ap.add_argument("--ratios", default="0.5,0.25,0.1")
     ap.add_argument("--bs", default="1,4")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--bandwidth", default="43.8,108.9,9.9,19.9", help="B_P,B_H,F_P,F_H")
+    ap.add_argument("--bandwidth", default="43.8,108.9,9.9,19.9",
+                    help="B_P,B_H,F_P,F_H: the server's measured profile, which its q* split "
+                    "reads (the decisions), and the modelled times unless --timing")
+    ap.add_argument("--timing", default=None,
+                    help="B_P,B_H,F_P,F_H for the modelled times only (e.g. constants fitted "
+                    "to a measured matrix)")
+    ap.add_argument("--sequence", choices=("bench", "cycle"), default="bench",
+                    help="bench: bench_decode.py's requests per cell (run_bench_cell; both "
+                    "batch sizes, --bs and the step counts ignored); cycle: --warm-steps then "
+                    "--steps steps of --bs consecutive rows (Session 36's model)")
     ap.add_argument("--stock-tok-s", default="252.33,449.50",
                     help="stock's bs1,bs4 tok/s: the all-hit step time")
     ap.add_argument("--warm-steps", type=int, default=200)
@@ -134,10 +199,12 @@ def main(argv=None) -> int:
     ids = trace.ids[np.repeat(trace.phase == 1, trace.num_tokens)]
     lmap = layer_map(trace.num_layers, L)
     bw = tuple(float(x) for x in a.bandwidth.split(","))
+    timing = tuple(float(x) for x in a.timing.split(",")) if a.timing else bw
     stock = dict(zip((1, 4), (float(x) for x in a.stock_tok_s.split(","))))
     s_bytes = expert_bytes(cfg)
     print(f"MODEL, not a measurement: {a.trace} ({ids.shape[0]} decode rows), shape {a.shape}, "
-          f"S {s_bytes / 2**20:.2f} MiB, B_P,B_H,F_P,F_H {bw}", flush=True)
+          f"S {s_bytes / 2**20:.2f} MiB, B_P,B_H,F_P,F_H {bw} (times: {timing}), "
+          f"sequence {a.sequence}", flush=True)
     out = []
     # As bench_decode.py --cache-ratios runs a server: all resident, then shrunk to each ratio
     # in turn (decreasing), bs 1 then bs 4 at each, the cache carried over.
@@ -149,11 +216,15 @@ def main(argv=None) -> int:
         state.make_all_resident()
         for ratio in (float(r) for r in a.ratios.split(",")):
             state = shrink(state, int(round(ratio * L * E)), E)
-            for bs in (int(b) for b in a.bs.split(",")):
-                t0 = time.perf_counter()
-                r = run_cell(ids, lmap, E, state, bs, pol, 1e6 * bs / stock[bs] / L, s_bytes,
-                             bw, a.warm_steps, a.steps)
-                r.update(ratio=ratio, bs=bs, policy=label, sim_s=time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            if a.sequence == "bench":
+                cells = run_bench_cell(ids, lmap, E, state, pol, stock, s_bytes, timing)
+            else:
+                cells = [dict(run_cell(ids, lmap, E, state, bs, pol, 1e6 * bs / stock[bs] / L,
+                                       s_bytes, timing, a.warm_steps, a.steps), bs=bs)
+                         for bs in (int(b) for b in a.bs.split(","))]
+            for r in cells:
+                r.update(ratio=ratio, policy=label, sim_s=time.perf_counter() - t0)
                 out.append(r)
                 print(json.dumps(r), flush=True)
     print("\nMODEL: tok/s (hit rate) per policy")
