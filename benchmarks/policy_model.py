@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from freetoken_sglang.cache.residency import ResidencyState, decide_reference  # noqa: E402
 from freetoken_sglang.cache.resize import install, kept_experts, kept_fill_clocks  # noqa: E402
 from freetoken_sglang.miss_policy import MissPolicy  # noqa: E402
-from freetoken_sglang.observe.routing_replay import layer_map  # noqa: E402
+from freetoken_sglang.observe.routing_replay import layer_map, ranked  # noqa: E402
 from freetoken_sglang.observe.routing_trace import RoutingTrace  # noqa: E402
 from servers import shape_config  # noqa: E402
 
@@ -187,21 +187,26 @@ def main(argv=None) -> int:
                     help="stock's bs1,bs4 tok/s: the all-hit step time")
     ap.add_argument("--warm-steps", type=int, default=200)
     ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--expert-bytes", type=int, default=None,
+                    help="S in bytes (a quantized format's, e.g. /freetoken/stats expert_bytes); "
+                    "default: a BF16 gated expert of the shape")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = shape_config(a.shape, None)
-    L, E = cfg["num_hidden_layers"], cfg["num_experts"]
+    L, E = cfg["num_hidden_layers"], cfg.get("num_experts", cfg.get("num_local_experts"))
+    k = cfg["num_experts_per_tok"]
     trace = RoutingTrace.load(a.trace)
-    if (trace.num_experts, trace.top_k) != (E, cfg["num_experts_per_tok"]):
+    # as the server's replay: a larger top-k in rank order replays each token's first k ids
+    if trace.num_experts != E or trace.top_k < k or (trace.top_k > k and not ranked(trace.meta)):
         raise SystemExit(f"{a.trace}: top-{trace.top_k} of {trace.num_experts} experts; the "
-                         f"shape routes top-{cfg['num_experts_per_tok']} of {E}")
-    ids = trace.ids[np.repeat(trace.phase == 1, trace.num_tokens)]
+                         f"shape routes top-{k} of {E}")
+    ids = trace.ids[np.repeat(trace.phase == 1, trace.num_tokens)][..., :k]
     lmap = layer_map(trace.num_layers, L)
     bw = tuple(float(x) for x in a.bandwidth.split(","))
     timing = tuple(float(x) for x in a.timing.split(",")) if a.timing else bw
     stock = dict(zip((1, 4), (float(x) for x in a.stock_tok_s.split(","))))
-    s_bytes = expert_bytes(cfg)
+    s_bytes = a.expert_bytes or expert_bytes(cfg)
     print(f"MODEL, not a measurement: {a.trace} ({ids.shape[0]} decode rows), shape {a.shape}, "
           f"S {s_bytes / 2**20:.2f} MiB, B_P,B_H,F_P,F_H {bw} (times: {timing}), "
           f"sequence {a.sequence}", flush=True)
