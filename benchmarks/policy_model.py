@@ -86,28 +86,35 @@ def shrink(state: ResidencyState, slots: int, E: int) -> ResidencyState:
     return new
 
 
+def forward(state: ResidencyState, ids: np.ndarray, first: int, rows: int, lmap, E: int,
+            split, allhit_us: float, s_bytes: int, bw) -> list:
+    """One forward of ``rows`` trace rows from row ``first`` (cyclic) through every MoE
+    layer's decision: ``[us, reads, hits, fills, cpu]`` summed over its layer calls."""
+    block = torch.from_numpy(
+        ids[[(first + i) % ids.shape[0] for i in range(rows)]].astype(np.int32))
+    w, nv = torch.ones(rows, ids.shape[2]), torch.tensor([rows], dtype=torch.int32)
+    counters = torch.zeros(5, len(lmap), dtype=torch.int64)
+    us = 0.0
+    for layer in range(len(lmap)):
+        decide_reference(state, counters, layer, E, block[:, lmap[layer]].contiguous(), w, nv,
+                         split)
+        us += layer_us(int(counters[2, layer]), int(counters[4, layer]), allhit_us, s_bytes, bw)
+    reads, hits, fills, _, cpu = counters.sum(1).tolist()
+    return [us, reads, hits, fills, cpu]
+
+
 def run_cell(ids: np.ndarray, lmap, E: int, state: ResidencyState, bs: int, policy: MissPolicy,
              allhit_us: float, s_bytes: int, bw, warm: int, steps: int) -> dict:
-    """Modelled tok/s and counts of one policy at one batch size, from ``state`` (updated)."""
-    L = len(lmap)
-    counters = torch.zeros(5, L, dtype=torch.int64)
-    split = policy.decode_split
-    rows_n = ids.shape[0]
-    total_us, fills, cpu, reads, hits = 0.0, 0, 0, 0, 0
-    w = torch.ones(bs, ids.shape[2])
-    nv = torch.tensor([bs], dtype=torch.int32)
+    """Modelled tok/s and counts of one policy at one batch size, from ``state`` (updated):
+    ``warm`` then ``steps`` steps of ``bs`` consecutive rows, cycling."""
+    total = [0.0, 0, 0, 0, 0]  # us, reads, hits, fills, cpu
     for step in range(warm + steps):
-        rows = [(step * bs + i) % rows_n for i in range(bs)]
-        block = torch.from_numpy(ids[rows].astype(np.int32))  # [bs, L_trace, k]
-        for layer in range(L):
-            before = counters[:, layer].clone()
-            decide_reference(state, counters, layer, E, block[:, lmap[layer]].contiguous(), w,
-                             nv, split)
-            d = (counters[:, layer] - before).tolist()  # reads, hits, fills, evictions, cpu
-            if step >= warm:
-                total_us += layer_us(d[2], d[4], allhit_us, s_bytes, bw)
-                reads, hits, fills, cpu = reads + d[0], hits + d[1], fills + d[2], cpu + d[4]
-    return {"tok_s": bs * steps / (total_us * 1e-6), "hit_rate": hits / reads,
+        got = forward(state, ids, step * bs, bs, lmap, E, policy.decode_split, allhit_us,
+                      s_bytes, bw)
+        if step >= warm:
+            total = [a + b for a, b in zip(total, got)]
+    us, reads, hits, fills, cpu = total
+    return {"tok_s": bs * steps / (us * 1e-6), "hit_rate": hits / reads,
             "fills_per_step": fills / steps, "cpu_per_step": cpu / steps}
 
 
@@ -122,44 +129,33 @@ def run_bench_cell(ids: np.ndarray, lmap, E: int, state: ResidencyState, policy:
     layer call through the LRU like a decode step; a request of n tokens runs n + 1
     one-row forwards, as the server's counters show. Returns the bs 1 and bs 4 results."""
     L = len(lmap)
-    split = policy.decode_split
-    rows_n = ids.shape[0]
-    counters = torch.zeros(5, L, dtype=torch.int64)
-    cursor, window = 0, None
+    cursor = 0
     totals = {1: [0.0, 0, 0, 0, 0], 4: [0.0, 0, 0, 0, 0]}  # us, reads, hits, fills, cpu
 
-    def forward(rows: int) -> None:
+    def run(rows: int, window=None) -> None:
         nonlocal cursor
-        block = torch.from_numpy(ids[[(cursor + i) % rows_n for i in range(rows)]].astype(np.int32))
+        got = forward(state, ids, cursor, rows, lmap, E, policy.decode_split,
+                      1e6 * rows / stock[4 if rows > 1 else 1] / L, s_bytes, bw)
         cursor += rows
-        w, nv = torch.ones(rows, ids.shape[2]), torch.tensor([rows], dtype=torch.int32)
-        allhit = 1e6 * min(rows, 4) / stock[4 if rows > 1 else 1] / L
-        for layer in range(L):
-            before = counters[:, layer].clone()
-            decide_reference(state, counters, layer, E, block[:, lmap[layer]].contiguous(), w,
-                             nv, split)
-            d = (counters[:, layer] - before).tolist()  # reads, hits, fills, evictions, cpu
-            if window is not None:
-                t = totals[window]
-                t[0] += layer_us(d[2], d[4], allhit, s_bytes, bw)
-                t[1], t[2], t[3], t[4] = t[1] + d[0], t[2] + d[1], t[3] + d[2], t[4] + d[4]
+        if window is not None:
+            totals[window] = [a + b for a, b in zip(totals[window], got)]
 
     for _ in range(17):  # the warm-up request: its prefill row and 16 more
-        forward(1)
-    forward(1), forward(3)  # the warm-up batch's prefills, then 16 steps of 4
+        run(1)
+    run(1)  # the warm-up batch: its prefills (one row, then three), then 16 steps of 4
+    run(3)
     for _ in range(16):
-        forward(4)
-    window = 1
-    for _ in range(2 * (new_tokens + 1)):
-        forward(1)
-    window = 4
-    forward(1), forward(3)
+        run(4)
+    for _ in range(2 * (new_tokens + 1)):  # batch 1: two requests
+        run(1, 1)
+    run(1, 4)  # batch 4
+    run(3, 4)
     for _ in range(new_tokens):
-        forward(4)
+        run(4, 4)
     out = []
     for bs, (us, reads, hits, fills, cpu) in totals.items():
         steps = 2 * (new_tokens + 1) if bs == 1 else new_tokens + 1
-        out.append({"tok_s": bs * (new_tokens + 1) * (2 if bs == 1 else 1) / (us * 1e-6),
+        out.append({"tok_s": bs * steps / (us * 1e-6),
                     "hit_rate": hits / reads, "reads": reads, "hits": hits, "fills": fills,
                     "cpu": cpu, "fills_per_step": fills / steps, "cpu_per_step": cpu / steps,
                     "bs": bs})
