@@ -21,19 +21,22 @@ resident, slots, lru) the excess over stock SGLang's ``fused_experts`` on the la
   the same with the fill before the alignment and the remap a kernel of its own (as before
   they were one launch: the A/B of that change);
 - ``qstar``: ``DecodeExecutor.run``'s whole all-hit call under q* with the admission rule
-  (``MissSplit.may_run_cpu``: CPU entries masked, ``filter_expert``; the decision on a side
+  (``MissSplit.may_run_cpu``: CPU entries read from the null slot; the decision on a side
   stream beside the alignment, ``OVERLAP_CPU_POLICIES``) and the doorbell CPU
   branch, which has no CPU item to run: its post and merge folded into the decision kernel
   and the MoE's sum (``CpuBranch.fold``); ``qstar-sep``: the same with the post and the
   merge as kernels of their own, as before they were folded (the A/B of that change);
   ``qstar-seq``: ``qstar`` with its decision before the alignment, not beside it
-  (``OVERLAP_CPU_POLICIES`` off: the A/B of that overlap);
+  (``OVERLAP_CPU_POLICIES`` off: the A/B of that overlap); ``qstar-filter``: ``qstar`` with
+  its CPU entries skipped by ``filter_expert`` instead of read from the null slot
+  (``CPU_ENTRIES_READ_NULL_SLOT`` off: the A/B of that change);
 - ``decide-full``: ``decide`` without the decision kernel's hit path (``DECIDE_HIT_PATH``
   off: the q table read and the CPU routing's reduction on every call); ``decide-acqrel``:
   ``decide`` with the counters' atomic adds fenced (``DECIDE_COUNTER_SEM="acq_rel"``);
 - ``decide-q``, ``decide-q-post``: the decision kernel under q*'s split (the admission rule),
   without and with the doorbell post; ``slots-neg``: ``slots`` with ``filter_expert`` (CPU
-  entries masked); ``slots-merge``: that with the doorbell's merging sum in place of SGLang's
+  entries masked); ``slots-null``: ``slots`` with CPU entries read from the null slot (no
+  ``filter_expert``); ``slots-merge``: that with the doorbell's merging sum in place of SGLang's
   (no CPU item): the parts of ``qstar``'s excess over ``lru``;
 - ``slots-merge@BxW`` (``--reduce-configs``): ``slots-merge`` with the merging sum's blocks
   of B hidden elements and W warps;
@@ -142,8 +145,12 @@ def main(argv=None) -> int:
     E, k, H, I, L = a.experts, a.top_k, a.hidden, a.intermediate, a.layers
     dev, bf16 = "cuda", torch.bfloat16
     S = L * E
-    slots = {"w13_weight": torch.randn(S, 2 * I, H, device=dev, dtype=bf16) * 0.02,
-             "w2_weight": torch.randn(S, H, I, device=dev, dtype=bf16) * 0.02}
+    # the slots, then one all-zero row: the null slot q*'s CPU entries read
+    with_null = {"w13_weight": torch.randn(S + 1, 2 * I, H, device=dev, dtype=bf16) * 0.02,
+                 "w2_weight": torch.randn(S + 1, H, I, device=dev, dtype=bf16) * 0.02}
+    for b in with_null.values():
+        b[S].zero_()
+    slots = {n: b[:S] for n, b in with_null.items()}
     per_layer = [{n: b[l * E:(l + 1) * E] for n, b in slots.items()} for l in range(L)]
     state = ResidencyState(S, S, dev)
     state.make_all_resident()
@@ -167,6 +174,7 @@ def main(argv=None) -> int:
     names = list(slots)
     cache = SimpleNamespace(
         residency=state, num_experts=E, slot_banks=slots, late=SimpleNamespace(pending=False),
+        banks_with_null_slots=with_null, null_slot=S,
         filler=SimpleNamespace(run=lambda plan, remap=None: copy_rows_banks(
             [slots[n] for n in names], [slots[n] for n in names], plan.src, plan.dst,
             plan.count, remap=remap)))
@@ -252,6 +260,9 @@ def main(argv=None) -> int:
             "slots-neg": lambda i: run_on_slots_triton(layers[i % L], x, w, ids,
                                                        state.layer_slots(i % L, E), slots,
                                                        skip_negative_ids=True),
+            "slots-null": lambda i: run_on_slots_triton(layers[i % L], x, w, ids,
+                                                        state.layer_slots(i % L, E), with_null,
+                                                        skip_negative_ids=True, null_slot=S),
             "slots-merge": slots_merge,
             "fill": lambda i: copy_rows_banks([slots[n] for n in names],
                                               [slots[n] for n in names], src, src, count),
@@ -262,6 +273,7 @@ def main(argv=None) -> int:
             "qstar": qstar,
             "qstar-sep": lambda i: qstar(i, fold=False),
             "qstar-seq": flipped(decode_mod, "OVERLAP_CPU_POLICIES", False, qstar),
+            "qstar-filter": flipped(decode_mod, "CPU_ENTRIES_READ_NULL_SLOT", False, qstar),
             "decide-miss": lambda i: decide(miss_state, miss_counters, i % LM, E, ids, w,
                                             num_valid),
         }
@@ -310,7 +322,7 @@ def main(argv=None) -> int:
                    "device": torch.cuda.get_device_name()}, f, indent=1)
     # whole MoE calls: their excess over stock
     whole = ("stock", "resident", "slots", "lru", "lru-seq", "lru-sep", "qstar", "qstar-sep",
-             "qstar-seq")
+             "qstar-seq", "qstar-filter")
     print("| path | " + " | ".join(f"bs{T} us/call | bs{T} over stock" for T in rows) + " |")
     print("|---|" + "---:|---:|" * len(rows))
     for name in rows[next(iter(rows))]:

@@ -19,7 +19,12 @@ import torch
 from freetoken_sglang import families
 from freetoken_sglang.cache.layout import RESIDENT, SlotLayout, plan_layout
 from freetoken_sglang.cache.residency import FILL_ALL, MissSplit
-from freetoken_sglang.cache.slots import CacheSize, ExpertCache, resolve_num_slots
+from freetoken_sglang.cache.slots import (
+    CUDA_NULL_SLOTS,
+    CacheSize,
+    ExpertCache,
+    resolve_num_slots,
+)
 from freetoken_sglang.config import SERVER_ARGS_ATTR, FreeTokenConfig
 from freetoken_sglang.errors import RefusedError
 from freetoken_sglang.execute.choice import DECODE, EXTEND, ExecutorChoice, stream_min_rows
@@ -271,6 +276,7 @@ class FreeTokenRuntime:
 
                     slack += DEQUANTIZED_SCRATCH_BYTES  # FP4 calls' dequantized experts
                 self.slack_bytes = slack
+                slack += CUDA_NULL_SLOTS * self.pool.expert_bytes  # after the slots
             size = resolve_num_slots(
                 self.config, self.pool, self.top_k, reason, free_bytes, slack or 0
             )
@@ -368,7 +374,10 @@ class FreeTokenRuntime:
         )
 
     def _new_cache(self, layout: SlotLayout) -> ExpertCache:
-        null_slots = self.top_k if self.device.type == "cpu" else 0
+        if self.device.type == "cpu":
+            null_slots = self.top_k  # SGLang's native MoE skips entries by distinct zero rows
+        else:  # the row a decode call's CPU-served entries read (ExpertCache.null_slot)
+            null_slots = CUDA_NULL_SLOTS if layout.total and layout.kind != RESIDENT else 0
         return ExpertCache(self.pool, layout, self.device, null_slots)
 
     def _check_prefill_graph(self, sa) -> None:

@@ -80,16 +80,18 @@ def _copy_banks_kernel(
     n_ids,
     layer_slots_ptr,  # int32 [num_experts] slot of each local expert (REMAP)
     num_experts,
+    null_slot,  # the remap's null_slot (NULL_SLOT)
     BLOCK: tl.constexpr,
     REMAP: tl.constexpr,
     REMAP_BLOCK: tl.constexpr,
     KEEP_NEGATIVE: tl.constexpr,  # the remap's keep_negative
+    NULL_SLOT: tl.constexpr,  # the remap has a null_slot
 ):
     if REMAP:  # remap_expert_ids_, the ids spread over the programs
         for i0 in range(tl.program_id(0) * REMAP_BLOCK, n_ids,
                         tl.num_programs(0) * REMAP_BLOCK):
             remap_block(ids_ptr, i0 + tl.arange(0, REMAP_BLOCK), n_ids, layer_slots_ptr,
-                        num_experts, KEEP_NEGATIVE)
+                        num_experts, null_slot, KEEP_NEGATIVE, NULL_SLOT)
     # The (row, chunk) work of every bank of the counted rows: a row's chunks are bank 0's,
     # then bank 1's, ...; banks past the used ones have no chunks.
     n = tl.load(count_ptr)
@@ -116,9 +118,10 @@ _REMAP_BLOCK = 128
 def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count, remap=None) -> None:
     """``dsts[b][dst_idx[i]] = srcs[b][src_idx[i]]`` for every bank ``b`` and ``i < count[0]``,
     in one kernel launch per ``MAX_BANKS`` banks (indices and count read on the device).
-    With ``remap = (expert_ids, layer_slots[, keep_negative])`` the first launch also does
-    ``residency.remap_expert_ids_(*remap)`` (SGLang's per-block expert ids to slot ids; -1
-    stays, an expert without a slot reads slot 0, or with ``keep_negative`` gets -1), so a
+    With ``remap = (expert_ids, layer_slots[, keep_negative[, null_slot]])`` the first launch
+    also does ``residency.remap_expert_ids_(*remap)`` (SGLang's per-block expert ids to slot
+    ids; -1 stays, an expert without a slot reads slot 0, or with ``keep_negative`` gets -1,
+    or with a ``null_slot`` both read that all-zero slot), so a
     decode call's fill and remap are one launch. The remap reads ``layer_slots`` only, never
     the copied rows.
 
@@ -128,9 +131,10 @@ def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count, remap=None) -> None:
             dtype per bank).
         src_idx, dst_idx: int32 ``[K]`` on the device.
         count: int32 ``[1]`` on the device, at most ``K``.
-        remap: optional ``(expert_ids, layer_slots[, keep_negative])``: contiguous int
-            ``[N]`` ids rewritten in place, int32 ``[E]`` slots, on the banks' device, and a
-            bool (default False) (with no row to copy, K = 0 or no bank,
+        remap: optional ``(expert_ids, layer_slots[, keep_negative[, null_slot]])``:
+            contiguous int ``[N]`` ids rewritten in place, int32 ``[E]`` slots, on the banks'
+            device, a bool (default False) and a slot row or None (with no row to copy, K = 0
+            or no bank,
             ``remap_expert_ids_`` does it alone).
 
     Raises:
@@ -141,10 +145,12 @@ def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count, remap=None) -> None:
     if len(srcs) != len(dsts):
         raise ValueError(f"copy_rows_banks: {len(srcs)} source banks, {len(dsts)} destinations")
     if remap is not None:
-        if len(remap) not in (2, 3):
-            raise ValueError(
-                "copy_rows_banks: remap is (expert_ids, layer_slots[, keep_negative])")
-        ids, layer_slots, keep_negative = (*remap, False)[:3]
+        if len(remap) not in (2, 3, 4):
+            raise ValueError("copy_rows_banks: remap is "
+                             "(expert_ids, layer_slots[, keep_negative[, null_slot]])")
+        ids, layer_slots, keep_negative, null_slot = (*remap, False, None)[:4]
+        if null_slot is not None and null_slot < 0:
+            raise ValueError(f"copy_rows_banks: null_slot must be a slot row, got {null_slot}")
         if not ids.is_contiguous():
             raise ValueError("copy_rows_banks: remap needs contiguous expert ids")
     k = src_idx.numel()
@@ -171,10 +177,12 @@ def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count, remap=None) -> None:
             args += args[:2] + [0, 0]
         grid = (min(k * total, _max_programs(dsts[start].device)),)
         if start == 0 and remap is not None:
-            extra = (ids, ids.numel(), layer_slots, layer_slots.numel())
+            extra = (ids, ids.numel(), layer_slots, layer_slots.numel(),
+                     0 if null_slot is None else int(null_slot))
         else:  # (unused: REMAP is off)
-            extra = (src_idx, 0, src_idx, 0)
+            extra = (src_idx, 0, src_idx, 0, 0)
         _copy_banks_kernel[grid](*args, src_idx, dst_idx, count, *extra, BLOCK=_BLOCK,
                                  REMAP=start == 0 and remap is not None,
                                  REMAP_BLOCK=_REMAP_BLOCK,
-                                 KEEP_NEGATIVE=remap is not None and bool(keep_negative))
+                                 KEEP_NEGATIVE=remap is not None and bool(keep_negative),
+                                 NULL_SLOT=remap is not None and null_slot is not None)

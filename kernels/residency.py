@@ -18,6 +18,8 @@ loads that slot's last fill). Results are identical to the torch reference in
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -336,25 +338,32 @@ def _decide_kernel(
 
 
 @triton.jit
-def remap_block(expert_ids_ptr, offs, n, layer_slots_ptr, num_experts,
-                KEEP_NEGATIVE: tl.constexpr):
+def remap_block(expert_ids_ptr, offs, n, layer_slots_ptr, num_experts, null_slot,
+                KEEP_NEGATIVE: tl.constexpr, NULL_SLOT: tl.constexpr):
     """Rewrite ``expert_ids[offs]`` (``offs < n``) to ``layer_slots[id]``; ids outside
-    ``[0, num_experts)`` stay; a negative slot becomes 0 unless ``KEEP_NEGATIVE`` (also the
-    fill kernel's remap, ``kernels/fill.py``)."""
+    ``[0, num_experts)`` stay; a negative slot becomes 0 unless ``KEEP_NEGATIVE``. With
+    ``NULL_SLOT``, a negative slot and an id of -1 (the alignment's blocks of entries
+    served elsewhere) become ``null_slot`` (also the fill kernel's remap,
+    ``kernels/fill.py``)."""
     m = offs < n
-    x = tl.load(expert_ids_ptr + offs, mask=m, other=-1)
+    x = tl.load(expert_ids_ptr + offs, mask=m, other=-2)
     ok = m & (x >= 0) & (x < num_experts)
     slot = tl.load(layer_slots_ptr + tl.where(ok, x, 0), mask=ok, other=0)
-    if not KEEP_NEGATIVE:
+    if NULL_SLOT:
+        slot = tl.where(slot < 0, null_slot, slot)
+        slot = tl.where(x == -1, null_slot, slot)
+        ok = ok | (m & (x == -1))
+    elif not KEEP_NEGATIVE:
         slot = tl.maximum(slot, 0)
     tl.store(expert_ids_ptr + offs, slot.to(x.dtype), mask=ok)
 
 
 @triton.jit
-def _remap_kernel(expert_ids_ptr, n, layer_slots_ptr, num_experts, KEEP_NEGATIVE: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _remap_kernel(expert_ids_ptr, n, layer_slots_ptr, num_experts, null_slot,
+                  KEEP_NEGATIVE: tl.constexpr, NULL_SLOT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    remap_block(expert_ids_ptr, offs, n, layer_slots_ptr, num_experts, KEEP_NEGATIVE)
+    remap_block(expert_ids_ptr, offs, n, layer_slots_ptr, num_experts, null_slot,
+                KEEP_NEGATIVE, NULL_SLOT)
 
 
 _Q_TABLES = {}
@@ -500,14 +509,24 @@ def decide_triton(
 
 
 def remap_expert_ids_(expert_ids: torch.Tensor, layer_slots: torch.Tensor,
-                      keep_negative: bool = False) -> None:
+                      keep_negative: bool = False, null_slot: Optional[int] = None) -> None:
     """Rewrite, in place, the per-block local expert ids of SGLang's token alignment into
     slot ids (``layer_slots[e]``); negative ids (unused blocks) stay as they are. A negative
     ``layer_slots[e]`` becomes slot 0, or with ``keep_negative`` stays negative (the block
-    is then skipped by SGLang's kernels under ``filter_expert``)."""
+    is then skipped by SGLang's kernels under ``filter_expert``). With ``null_slot`` (a slot
+    row index, all zeros: ``ExpertCache.null_slot``), a negative ``layer_slots[e]`` and an
+    id of -1 (the alignment's blocks of entries served elsewhere) become ``null_slot``:
+    those entries are computed against zero weights, exactly 0, without ``filter_expert``.
+
+    Raises:
+        ValueError: ``null_slot`` is negative.
+    """
+    if null_slot is not None and null_slot < 0:
+        raise ValueError(f"remap_expert_ids_: null_slot must be a slot row, got {null_slot}")
     n = expert_ids.numel()
     block = 256
     _remap_kernel[(triton.cdiv(n, block),)](
-        expert_ids, n, layer_slots, layer_slots.numel(), KEEP_NEGATIVE=keep_negative,
-        BLOCK=block
+        expert_ids, n, layer_slots, layer_slots.numel(),
+        0 if null_slot is None else int(null_slot),
+        KEEP_NEGATIVE=keep_negative, NULL_SLOT=null_slot is not None, BLOCK=block
     )

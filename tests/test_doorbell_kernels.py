@@ -174,7 +174,8 @@ def test_reduce_merge_is_sglangs_sum_plus_the_partial_rounded_once(doorbell):
     assert torch.equal(out, sglang) and int(status) == 1
 
 
-def test_decode_executor_runs_the_doorbell_end_to_end(doorbell, monkeypatch,
+@pytest.mark.parametrize("null", [False, True])
+def test_decode_executor_runs_the_doorbell_end_to_end(null, doorbell, monkeypatch,
                                                       published_server_args):
     """``DecodeExecutor`` with the doorbell CPU branch, its GPU side in the interpreter: the
     decision kernel, SGLang's Triton MoE over the slots with our sum in place of SGLang's, and
@@ -185,7 +186,9 @@ def test_decode_executor_runs_the_doorbell_end_to_end(doorbell, monkeypatch,
     partial, rounded once; with ``fold`` off (the separate kernels) SGLang's output plus the
     partial; a call without items is not served and returns SGLang's own output. Folded, a
     call launches our sum alone (no post, no merge kernel), with or without items; unfolded,
-    the post and the merge kernel besides SGLang's sum."""
+    the post and the merge kernel besides SGLang's sum. With ``null`` the CPU entries are
+    computed against the null slot (``CPU_ENTRIES_READ_NULL_SLOT``, no ``filter_expert``),
+    bit for bit the same."""
     import importlib
     from types import SimpleNamespace
 
@@ -211,15 +214,20 @@ def test_decode_executor_runs_the_doorbell_end_to_end(doorbell, monkeypatch,
     monkeypatch.setattr(decode, "decide", decide_triton)
     monkeypatch.setattr(decode, "routed_scale",  # as on CUDA: SGLang's sum scales
                         lambda layer, x: layer.moe_runner_config.routed_scaling_factor)
-    monkeypatch.setattr(decode, "run_on_slots", lambda call, ids, layer_slots, cache, **kw:
-                        run_on_slots_triton(call.layer, call.x, call.topk_weights, ids,
-                                            layer_slots, cache.slot_banks, **kw))
+    monkeypatch.setattr(decode, "CPU_ENTRIES_READ_NULL_SLOT", null)
+    monkeypatch.setattr(decode, "run_on_slots", lambda call, ids, layer_slots, cache,
+                        use_null_slot=False, **kw: run_on_slots_triton(
+                            call.layer, call.x, call.topk_weights, ids, layer_slots,
+                            cache.banks_with_null_slots if use_null_slot else cache.slot_banks,
+                            null_slot=cache.null_slot if use_null_slot else None, **kw))
     E, H, I, T, k, f16 = 8, 64, 32, 3, 4, torch.float16
     g = torch.Generator().manual_seed(0)
     pool = HostExpertPool([0], E, bank_specs_for_layer(H, I, f16))
     for bank in pool.banks.values():
         bank.copy_((torch.randn(bank.shape, generator=g) * 0.2).to(bank.dtype))
-    slots = {n: b.clone() for n, b in pool.banks.items()}  # slot e holds expert e
+    # slot e holds expert e; then the null slot, all zeros
+    with_null = {n: torch.cat([b, torch.zeros_like(b[:1])]) for n, b in pool.banks.items()}
+    slots = {n: b[:E] for n, b in with_null.items()}
     state = ResidencyState(E, E, "cpu")
     state.make_all_resident()
     state.residency[4:E] = -1  # experts 4-7 miss (no fill under MissSplit(0, 0))
@@ -288,11 +296,13 @@ def test_decode_executor_runs_the_doorbell_end_to_end(doorbell, monkeypatch,
         def fill_nothing(plan, remap=None):
             # plans are empty (MissSplit(0, 0)): only the block-id remap the fill carries
             assert int(plan.count) == 0
+            assert remap[3] == (E if null else None)  # the null slot, or filter_expert
             if remap is not None:
                 remap_expert_ids_(*remap)
 
         rt = SimpleNamespace(
             cache=SimpleNamespace(residency=state, num_experts=E, slot_banks=slots,
+                                  banks_with_null_slots=with_null, null_slot=E,
                                   late=SimpleNamespace(pending=False),
                                   filler=SimpleNamespace(run=fill_nothing)),
             split_for=lambda rows: MissSplit(0.0, 0), is_decode_sized=lambda rows: True,

@@ -71,12 +71,15 @@ def test_one_launch_copies_every_bank_of_the_counted_rows():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("count,keep_negative", [(0, False), (2, False), (2, True)])
-def test_the_fill_launch_remaps_block_ids_to_slots(count, keep_negative):
+@pytest.mark.parametrize("count,keep_negative,null_slot",
+                         [(0, False, None), (2, False, None), (2, True, None), (0, True, 40),
+                          (2, True, 40)])
+def test_the_fill_launch_remaps_block_ids_to_slots(count, keep_negative, null_slot):
     """``copy_rows_banks(remap=)``: the decode call's fill also rewrites SGLang's per-block
     expert ids to slots in its first launch (ids past several programs' steps; -1 and
     out-of-range ids kept; an expert without a slot reads slot 0, or with ``keep_negative``
-    gets -1), copying as without it."""
+    gets -1; with a ``null_slot``, it and the -1 ids read the null slot), copying as without
+    it (count 0: ``remap_expert_ids_`` alone)."""
     from freetoken_sglang.kernels import fill
 
     g = torch.Generator().manual_seed(3)
@@ -88,13 +91,17 @@ def test_the_fill_launch_remaps_block_ids_to_slots(count, keep_negative):
     ok = (ids >= 0) & (ids < E)
     slot = layer_slots[ids.clamp(0, E - 1).long()]
     want = torch.where(ok, slot if keep_negative else slot.clamp(min=0), ids)
+    if null_slot is not None:
+        want = torch.where(ok, torch.where(slot < 0, null_slot, slot),
+                           torch.where(ids == -1, null_slot, ids)).to(torch.int32)
+        assert (want == null_slot).sum() > 2  # the -1 slot and several -1 ids
     srcs = [torch.randn(9, 3, 9000).to(torch.bfloat16)] + [torch.randn(9, 7) for _ in range(4)]
     dsts = [torch.zeros(4, *x.shape[1:], dtype=x.dtype) for x in srcs]
     before = [d.clone() for d in dsts]
     fill.copy_rows_banks(srcs, dsts, torch.tensor([7, 2, 5], dtype=torch.int32),
                          torch.tensor([1, 3, 0], dtype=torch.int32),
                          torch.tensor([count], dtype=torch.int32),
-                         remap=(ids, layer_slots, keep_negative))
+                         remap=(ids, layer_slots, keep_negative, null_slot))
     assert torch.equal(ids, want)
     for x, d, b in zip(srcs, dsts, before):
         assert torch.equal(d[0], b[0]) and torch.equal(d[2], b[2])

@@ -367,9 +367,10 @@ def _pinned_random_pool(L, E, H, I):
 
 
 def _stand_in_runtime(state, num_experts, slots, filler, split, counters, num_valid,
-                      cpu_branch):
+                      cpu_branch, with_null=None):
     """What ``DecodeExecutor`` reads of a ``FreeTokenRuntime``: the cache (residency, experts
-    per layer, slot banks, filler, late fills), one split for every call, the counters,
+    per layer, slot banks, filler, late fills; with ``with_null``, the banks with one zero
+    row after ``slots``, its null slot), one split for every call, the counters,
     ``num_valid`` and the CPU branch."""
     from types import SimpleNamespace
 
@@ -377,7 +378,10 @@ def _stand_in_runtime(state, num_experts, slots, filler, split, counters, num_va
 
     return SimpleNamespace(
         cache=SimpleNamespace(residency=state, num_experts=num_experts, slot_banks=slots,
-                              late=LateFills(filler), filler=filler),
+                              late=LateFills(filler), filler=filler,
+                              banks_with_null_slots=with_null,
+                              null_slot=None if with_null is None else
+                              next(iter(slots.values())).shape[0]),
         split_for=lambda rows: split, is_decode_sized=lambda rows: True,
         counters=SimpleNamespace(of_phase=lambda phase: counters), num_valid=num_valid,
         cpu_branch=cpu_branch)
@@ -480,9 +484,11 @@ def test_qstar_decision_beside_the_alignment_changes_no_output(rule, monkeypatch
     """q* steps through ``DecodeExecutor`` with the doorbell, captured in a CUDA graph over a
     cache smaller than the layers' experts (fills, evictions and CPU experts every step, a
     padded row): with the decision beside the alignment of the router's ids
-    (``OVERLAP_CPU_POLICIES``) every replay's valid rows, the counters and the CPU calls
-    served equal those with the decision first, bit for bit (a CPU expert's blocks zeroed
-    through its -1 slot, not computed from slot 0)."""
+    (``OVERLAP_CPU_POLICIES``), with the CPU entries computed against the null slot
+    (``CPU_ENTRIES_READ_NULL_SLOT``) and with both, every replay's valid rows, the counters
+    and the CPU calls served equal those with the decision first and the CPU entries skipped
+    by ``filter_expert``, bit for bit (a CPU expert's blocks zeroed, not computed from slot
+    0)."""
     from types import SimpleNamespace
 
     from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
@@ -505,10 +511,12 @@ def test_qstar_decision_beside_the_alignment_changes_no_output(rule, monkeypatch
     layers = [SimpleNamespace(moe_runner_config=cfg, w13_weight=pool.layer_rows("w13_weight", l),
                               w2_weight=pool.layer_rows("w2_weight", l)) for l in range(L)]
 
-    def steps(overlap):
+    def steps(overlap, null):
         monkeypatch.setattr(decode, "OVERLAP_CPU_POLICIES", overlap)
-        slots = {n: torch.zeros(S, *sp.shape, dtype=sp.dtype, device="cuda")
-                 for n, sp in pool.specs.items()}
+        monkeypatch.setattr(decode, "CPU_ENTRIES_READ_NULL_SLOT", null)
+        with_null = {n: torch.zeros(S + 1, *sp.shape, dtype=sp.dtype, device="cuda")
+                     for n, sp in pool.specs.items()}
+        slots = {n: b[:S] for n, b in with_null.items()}
         filler = Filler(pool.banks, pool.device_banks, slots)
         state = ResidencyState(L * E, S, "cuda")
         counters = torch.zeros(5, L, dtype=torch.int64, device="cuda")
@@ -531,7 +539,7 @@ def test_qstar_decision_beside_the_alignment_changes_no_output(rule, monkeypatch
             branch = CpuBranch(ex, torch.device("cuda"), H, k, bf16, max_rows=T)
             assert branch.mode == "doorbell" and branch.fold
             executor = decode.DecodeExecutor(_stand_in_runtime(state, E, slots, filler, split,
-                                                               counters, nv, branch))
+                                                               counters, nv, branch, with_null))
             try:
                 route()
                 for c in calls:  # eager first: the kernels compile outside the capture
@@ -545,14 +553,16 @@ def test_qstar_decision_beside_the_alignment_changes_no_output(rule, monkeypatch
                 served = branch.doorbell.served
             finally:
                 branch.close()
+        assert all(b[S].eq(0).all() for b in with_null.values())  # the null slot stays zero
         return got, counters.cpu(), served
 
-    want, want_counters, want_served = steps(False)
-    got, got_counters, got_served = steps(True)
-    for step, (a, b) in enumerate(zip(got, want)):
-        for l in range(L):
-            assert torch.equal(a[l], b[l]), (step, l)
-    assert torch.equal(got_counters, want_counters) and got_served == want_served
+    want, want_counters, want_served = steps(False, False)
+    for overlap, null in ((True, False), (False, True), (True, True)):
+        got, got_counters, got_served = steps(overlap, null)
+        for step, (a, b) in enumerate(zip(got, want)):
+            for l in range(L):
+                assert torch.equal(a[l], b[l]), (overlap, null, step, l)
+        assert torch.equal(got_counters, want_counters) and got_served == want_served
     assert want_counters[2].sum() > 0 and want_counters[3].sum() > 0  # fills, evictions
     assert want_counters[4].sum() > 0  # CPU experts
     pool.unpin()

@@ -52,9 +52,10 @@ class Filler:
 
     def run(self, plan: FillPlan, remap: Optional[tuple] = None) -> None:
         """Copy pool row ``plan.src[i]`` into slot ``plan.dst[i]`` of every bank, for
-        ``i < plan.count[0]``. ``remap = (expert_ids, layer_slots[, keep_negative])``
+        ``i < plan.count[0]``. ``remap = (expert_ids, layer_slots[, keep_negative[, null_slot]])``
         (contiguous int ``[N]`` per-block expert ids of SGLang's token alignment, int32 ``[E]``
-        slots, bool: an expert without a slot gets -1 instead of slot 0) also rewrites those
+        slots, bool: an expert without a slot gets -1 instead of slot 0; a slot row or None:
+        an expert without a slot and a -1 id read that all-zero slot) also rewrites those
         ids to slot ids (``kernels.residency.remap_expert_ids_``), in the fill's own launch
         under ``uva`` (``kernels.fill.copy_rows_banks``)."""
         if self.mode == "uva":

@@ -24,6 +24,12 @@ from freetoken_sglang.cache.residency import ResidencyState
 logger = logging.getLogger(__name__)
 
 
+#: All-zero rows after a CUDA cache's slots (``ExpertCache.null_slot``): a decode call's
+#: CPU-served entries are computed against one, exactly 0, so SGLang's kernels run without
+#: ``filter_expert`` (``execute/slot_moe.py``). One expert's bytes of device memory.
+CUDA_NULL_SLOTS = 1
+
+
 class CacheSizeError(RefusedError):
     """The requested cache cannot serve one token's top-k experts, or does not fit."""
 
@@ -102,8 +108,10 @@ class ExpertCache:
         pool: the host pool (bank shapes and dtypes; source of fills).
         layout: the split of the slot rows between the LRU and the prefill buffers.
         device: the serving device.
-        null_slots: zero rows kept after the slots (``banks_with_null_slots``), for SGLang's
-            native CPU MoE, which needs distinct expert ids for the entries it must skip.
+        null_slots: zero rows kept after the slots (``banks_with_null_slots``): on the CPU
+            for SGLang's native MoE, which needs distinct expert ids for the entries it must
+            skip; on CUDA one, ``null_slot``, that a decode call's CPU-served entries read
+            (``execute/slot_moe.py``).
 
     ``num_slots`` is every slot row (``layout.total``); the residency state manages the
     first ``layout.lru_slots`` of them.
@@ -116,6 +124,7 @@ class ExpertCache:
         self.num_slots = num_slots
         self.num_experts = pool.num_experts
         self.device = torch.device(device)
+        self.null_slots = null_slots
         self.banks_with_null_slots: Dict[str, torch.Tensor] = {
             name: torch.zeros(
                 (num_slots + null_slots, *spec.shape), dtype=spec.dtype, device=device
@@ -135,6 +144,12 @@ class ExpertCache:
             # Warm-up by construction: every expert is copied in once, never again.
             self.filler.fill_all()
             self.residency.make_all_resident()
+
+    @property
+    def null_slot(self) -> Optional[int]:
+        """The first all-zero row after the slots (index ``num_slots`` of
+        ``banks_with_null_slots``), or None where there is none."""
+        return self.num_slots if self.null_slots else None
 
     @property
     def nbytes(self) -> int:

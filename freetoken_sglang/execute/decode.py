@@ -35,11 +35,19 @@ OVERLAP_DECISION = True
 #: The same for calls that may send experts to the CPU (q*, cpu), where the decision posts
 #: the CPU work itself (the doorbell, ``CpuBranch.post_target``) and there is no late fill (a
 #: late-filled expert runs on the CPU in this call, yet its slot is already in the residency
-#: table when the remap reads it): a CPU expert's blocks get its -1 slot from the remap, and
-#: ``filter_expert`` gives them zero. False runs them in order (bench_layer_overhead.py's qstar
-#: against qstar-seq; tests/test_gpu.py's
+#: table when the remap reads it): a CPU expert's blocks get the null slot from the remap
+#: (``CPU_ENTRIES_READ_NULL_SLOT``), or -1 and ``filter_expert`` zeroes them. False runs
+#: them in order (bench_layer_overhead.py's qstar against qstar-seq; tests/test_gpu.py's
 #: test_qstar_decision_beside_the_alignment_changes_no_output).
 OVERLAP_CPU_POLICIES = True
+#: Decode-sized calls that may send experts to the CPU compute their CPU entries against the
+#: cache's all-zero null slot (``ExpertCache.null_slot``; exactly 0) instead of skipping
+#: them, so SGLang's kernels run as stock's do, without ``filter_expert``: an all-hit call
+#: costs what the fill policy's does, and a call with CPU entries reads one zero expert more
+#: on the GPU while it waits for the CPU partial (prefill-sized calls, whose CPU experts
+#: have many rows, skip them). False skips them (bench_layer_overhead.py's qstar against
+#: qstar-filter).
+CPU_ENTRIES_READ_NULL_SLOT = True
 
 
 class DecodeExecutor:
@@ -128,6 +136,7 @@ class DecodeExecutor:
                     cache,
                     skip_negative_ids=on_cpu,
                     fill=fill,
+                    use_null_slot=on_cpu and CPU_ENTRIES_READ_NULL_SLOT and phase == "decode",
                 )
             finally:  # joined even where run_on_slots raised before its fill
                 join()

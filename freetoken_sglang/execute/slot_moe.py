@@ -56,6 +56,7 @@ def run_on_slots_triton(
     skip_negative_ids: bool = False,
     inplace: Optional[bool] = None,
     fill: Optional[Callable[[Optional[tuple]], None]] = None,
+    null_slot: Optional[int] = None,
 ) -> torch.Tensor:
     """The layer's routed-expert output, computed from the slots (CUDA).
 
@@ -82,6 +83,11 @@ def run_on_slots_triton(
             layer_slots, skip_negative_ids)`` to remap in its own launch (one launch fewer;
             ``Filler.run``), or first with ``None`` on the FP4 paths and without
             ``layer_slots`` (``aligns_before_fill``).
+        null_slot: with ``skip_negative_ids``, a row of ``slot_banks`` that is all zeros
+            (``ExpertCache.null_slot``): the entries served elsewhere are computed against it
+            (exactly 0: zero weights, scales and biases) instead of skipped, so SGLang's
+            kernels run as stock's do, without ``filter_expert`` (and with TMA where its
+            config asks). Ignored by the FP4 paths.
 
     FP4 slots: at most ``DIRECT_FP4_MAX_PAIRS`` pairs (``routed_ids.numel()``, a static
     shape), bf16/fp16 activations, a silu-gated activation (``fp4_moe.activation_code``)
@@ -127,11 +133,16 @@ def run_on_slots_triton(
         ids,
         **quant,
     )
+    if not skip_negative_ids:
+        null_slot = None
+    if null_slot is not None and layer_slots is None:
+        raise ValueError("run_on_slots_triton: a null_slot needs layer_slots to remap")
     if fill is not None:
-        fill((expert_ids, layer_slots, skip_negative_ids))
+        fill((expert_ids, layer_slots, skip_negative_ids, null_slot))
     elif layer_slots is not None:
-        remap_expert_ids_(expert_ids, layer_slots, keep_negative=skip_negative_ids)
-    filter_expert = skip_negative_ids or (
+        remap_expert_ids_(expert_ids, layer_slots, keep_negative=skip_negative_ids,
+                          null_slot=null_slot)
+    filter_expert = (skip_negative_ids and null_slot is None) or (
         cfg.num_experts is None or cfg.num_experts != cfg.num_local_experts
     )
     if filter_expert and down_moe_use_tma:
@@ -390,6 +401,7 @@ def run_on_slots(
     skip_negative_ids: bool = False,
     inplace: Optional[bool] = None,
     fill: Optional[Callable[[Optional[tuple]], None]] = None,
+    use_null_slot: bool = False,
 ) -> torch.Tensor:
     """``run_on_slots_triton`` on CUDA, ``run_on_slots_native`` elsewhere, over every row of
     the cache's slot banks (LRU slots and prefill buffers alike).
@@ -404,18 +416,23 @@ def run_on_slots(
         inplace: as in ``run_on_slots_triton`` (CUDA only; the native path never writes
             its input).
         fill: as in ``run_on_slots_triton`` (the native path launches it first).
+        use_null_slot: with ``skip_negative_ids`` on CUDA, the skipped entries are computed
+            against the cache's all-zero ``null_slot`` where it has one (a decode call's few
+            CPU entries: SGLang's kernels then run without ``filter_expert``), not skipped.
     """
     if call.x.is_cuda:
+        null_slot = getattr(cache, "null_slot", None) if use_null_slot else None
         return run_on_slots_triton(
             call.layer,
             call.x,
             call.topk_weights,
             routed_ids,
             layer_slots,
-            cache.slot_banks,
+            cache.slot_banks if null_slot is None else cache.banks_with_null_slots,
             skip_negative_ids=skip_negative_ids,
             inplace=inplace,
             fill=fill,
+            null_slot=null_slot,
         )
     if fill is not None:
         fill(None)
