@@ -276,7 +276,8 @@ class FreeTokenRuntime:
 
                     slack += DEQUANTIZED_SCRATCH_BYTES  # FP4 calls' dequantized experts
                 self.slack_bytes = slack
-                slack += CUDA_NULL_SLOTS * self.pool.expert_bytes  # after the slots
+                if self._null_slots_on_cuda():
+                    slack += CUDA_NULL_SLOTS * self.pool.expert_bytes  # after the slots
             size = resolve_num_slots(
                 self.config, self.pool, self.top_k, reason, free_bytes, slack or 0
             )
@@ -377,8 +378,19 @@ class FreeTokenRuntime:
         if self.device.type == "cpu":
             null_slots = self.top_k  # SGLang's native MoE skips entries by distinct zero rows
         else:  # the row a decode call's CPU-served entries read (ExpertCache.null_slot)
-            null_slots = CUDA_NULL_SLOTS if layout.total and layout.kind != RESIDENT else 0
+            null_slots = (CUDA_NULL_SLOTS if self._null_slots_on_cuda() and layout.total
+                          and layout.kind != RESIDENT else 0)
         return ExpertCache(self.pool, layout, self.device, null_slots)
+
+    def _null_slots_on_cuda(self) -> bool:
+        """Whether a CUDA cache keeps the null slot (``execute/decode.py``'s
+        ``CPU_ENTRIES_READ_NULL_SLOT``): a server that can run experts on the CPU (not started
+        with ``fill``, which never gets a CPU branch) over experts SGLang's Triton kernels
+        read in their slots (not FP4, whose paths skip CPU entries themselves)."""
+        if self.config.miss_policy == "fill" or not self.moe_layer_ids:
+            return False
+        tq = self.layers[self.moe_layer_ids[0]].triton_quant
+        return tq is not None and not tq.dequantized
 
     def _check_prefill_graph(self, sa) -> None:
         """Refuse a prefill CUDA-graph backend that cannot run the streamed prefill (it needs

@@ -139,7 +139,8 @@ def copy_rows_banks(srcs, dsts, src_idx, dst_idx, count, remap=None) -> None:
 
     Raises:
         ValueError: a bank's rows differ between source and destination, a bank is not
-            contiguous, or the remap's expert ids are not.
+            contiguous, the remap's expert ids are not, the remap is not 2 to 4 items, or
+            its ``null_slot`` is negative.
     """
     srcs, dsts = list(srcs), list(dsts)
     if len(srcs) != len(dsts):

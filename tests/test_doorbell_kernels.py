@@ -215,6 +215,17 @@ def test_decode_executor_runs_the_doorbell_end_to_end(null, doorbell, monkeypatc
     monkeypatch.setattr(decode, "routed_scale",  # as on CUDA: SGLang's sum scales
                         lambda layer, x: layer.moe_runner_config.routed_scaling_factor)
     monkeypatch.setattr(decode, "CPU_ENTRIES_READ_NULL_SLOT", null)
+    fused = importlib.import_module(FUSED_MOE + "fused_moe")
+    filters = []  # filter_expert of each of SGLang's kernel sequences run
+
+    def spied(sequence):
+        def run(*args, **kwargs):
+            filters.append(kwargs["filter_expert"])
+            return sequence(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(fused, "_fused_moe_kernel_sequence",
+                        spied(fused._fused_moe_kernel_sequence))
     monkeypatch.setattr(decode, "run_on_slots", lambda call, ids, layer_slots, cache,
                         use_null_slot=False, **kw: run_on_slots_triton(
                             call.layer, call.x, call.topk_weights, ids, layer_slots,
@@ -316,7 +327,9 @@ def test_decode_executor_runs_the_doorbell_end_to_end(null, doorbell, monkeypatc
                 branch.fold = fold
                 route(with_items)
                 launched.clear()
+                filters.clear()
                 got = executor.run(call)
+                assert filters == [not null], step  # the null slot runs SGLang's unfiltered
                 assert launched == ({"reduce_merge": 1} if fold else
                                     {"post": 1, "wait_merge": 1}), step
                 want, n = expected(ex, fold)

@@ -43,8 +43,10 @@ OVERLAP_CPU_POLICIES = True
 #: Decode-sized calls that may send experts to the CPU compute their CPU entries against the
 #: cache's all-zero null slot (``ExpertCache.null_slot``; exactly 0) instead of skipping
 #: them, so SGLang's kernels run as stock's do, without ``filter_expert``: an all-hit call
-#: costs what the fill policy's does, and a call with CPU entries reads one zero expert more
-#: on the GPU while it waits for the CPU partial (prefill-sized calls, whose CPU experts
+#: costs what the fill policy's does. A call with CPU entries runs SGLang's GEMMs over the
+#: zero row for their blocks: once per distinct CPU expert where the router's own ids are
+#: aligned (``OVERLAP_CPU_POLICIES``), once for all of them otherwise; that GPU work runs
+#: while the CPU partial is awaited (not measured yet; prefill-sized calls, whose CPU experts
 #: have many rows, skip them). False skips them (bench_layer_overhead.py's qstar against
 #: qstar-filter).
 CPU_ENTRIES_READ_NULL_SLOT = True

@@ -72,7 +72,7 @@ def run_on_slots_triton(
         layer_slots: int32 ``[E]`` slot of each local expert.
         skip_negative_ids: some ids may be -1, or some experts have no slot (-1 in
             ``layer_slots``): SGLang's kernels then run with ``filter_expert`` (as under
-            expert parallelism), giving those entries zero.
+            expert parallelism), giving those entries zero, unless ``null_slot`` is given.
         slot_banks: ``w13_weight [S, 2I, H]``, ``w2_weight [S, H, I]`` and optional biases,
             or the format's banks (FP8 codes and scales; FP4 packed codes ``[S, 2I, H/2]``
             and scales).
@@ -80,7 +80,8 @@ def run_on_slots_triton(
             intact, for executors that run one call in several passes).
         fill: the call's pending fill (``Filler.run`` of its plan), launched here before
             any kernel reads a slot: after the token alignment, given ``(expert_ids,
-            layer_slots, skip_negative_ids)`` to remap in its own launch (one launch fewer;
+            layer_slots, skip_negative_ids, null_slot)`` to remap in its own launch (one
+            launch fewer;
             ``Filler.run``), or first with ``None`` on the FP4 paths and without
             ``layer_slots`` (``aligns_before_fill``).
         null_slot: with ``skip_negative_ids``, a row of ``slot_banks`` that is all zeros
@@ -95,7 +96,14 @@ def run_on_slots_triton(
 
     Returns:
         ``[T, H]`` (``hidden_states`` itself when the runner config is in place).
+
+    Raises:
+        ValueError: ``null_slot`` without ``layer_slots``, or not a row of ``slot_banks``.
     """
+    if null_slot is not None and skip_negative_ids and not (
+            layer_slots is not None and 0 <= null_slot < slot_banks["w13_weight"].shape[0]):
+        raise ValueError(f"run_on_slots_triton: null_slot {null_slot} needs layer_slots and a "
+                         f"row of the {slot_banks['w13_weight'].shape[0]} slot banks' rows")
     from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import (
         _fused_moe_kernel_sequence,
         _prepare_fused_moe_run,
@@ -135,8 +143,6 @@ def run_on_slots_triton(
     )
     if not skip_negative_ids:
         null_slot = None
-    if null_slot is not None and layer_slots is None:
-        raise ValueError("run_on_slots_triton: a null_slot needs layer_slots to remap")
     if fill is not None:
         fill((expert_ids, layer_slots, skip_negative_ids, null_slot))
     elif layer_slots is not None:
