@@ -46,7 +46,8 @@ from freetoken_sglang.observe.routing_replay import layer_map, ranked  # noqa: E
 from freetoken_sglang.observe.routing_trace import RoutingTrace  # noqa: E402
 from servers import shape_config  # noqa: E402
 
-# label: (policy, admission, fill_reused, return_rule, admission's useful form)
+# label: (policy, admission, fill_reused, return_rule, admission's useful form[, the re-miss
+# rule's valued form])
 POLICIES = {
     "fill": ("fill", False, False, False, False),
     "cpu": ("cpu", False, False, False, False),
@@ -57,6 +58,8 @@ POLICIES = {
     "qstar-both": ("qstar", True, True, False, False),  # admission + re-miss: reused filled
     "qstar-useful": ("qstar", True, False, False, True),
     "qstar-useful-remiss": ("qstar", True, True, False, True),  # reused filled while calm
+    # ... and only where expected back at least B_H/B_P - 1 times before eviction
+    "qstar-useful-valued": ("qstar", True, True, False, True, True),
 }
 
 
@@ -210,9 +213,10 @@ def main(argv=None) -> int:
     # As bench_decode.py --cache-ratios runs a server: all resident, then shrunk to each ratio
     # in turn (decreasing), bs 1 then bs 4 at each, the cache carried over.
     for label in a.policies.split(","):
-        name, admit, remiss, ret, useful = POLICIES[label]
+        name, admit, remiss, ret, useful, *valued = POLICIES[label]
         pol = MissPolicy(name, bw[:2], bw[2:], s_bytes, admit, remiss, ret,
-                         admit_useful=useful) if name == "qstar" else MissPolicy(name)
+                         admit_useful=useful, fill_reused_valued=bool(valued and valued[0])
+                         ) if name == "qstar" else MissPolicy(name)
         state = ResidencyState(L * E, L * E, "cpu")
         state.make_all_resident()
         for ratio in (float(r) for r in a.ratios.split(",")):

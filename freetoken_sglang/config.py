@@ -194,14 +194,16 @@ class FreeTokenConfig:
     fill_reused: str = field(
         default="off",
         metadata=dict(
-            type=_choice("off", "on"),
+            type=_choice("off", "on", "valued"),
             help="With --freetoken-miss-policy qstar: on fills every miss whose last use is "
             "more recent than the least recently used slot's (an expert the CPU served and "
             "routed to again within the cache's LRU age), counted in the call's q* fills "
             "(all of them where they outnumber q*), the other misses filling what is left "
             "(with --freetoken-admission: only those it admits; with useful, the reused "
-            "misses are filled only while it admits every miss); off (default): q* splits "
-            "every miss, as in the paper.",
+            "misses are filled only while it admits every miss); valued: as on, but only "
+            "the reused misses expected to be used again at least B_H/B_P - 1 times before "
+            "eviction (the LRU age over the time since their last use), which is what a "
+            "fill costs in CPU runs; off (default): q* splits every miss, as in the paper.",
         ),
     )
     return_rule: str = field(

@@ -27,12 +27,12 @@ KEY_LATE_FILL = "freetoken_late_fill"
 POLICY_KEYS = {
     "miss_policy": (("fill", "qstar", "cpu"), KEY_POLICY),
     "admission": (("off", "reuse", "useful"), KEY_ADMISSION),
-    "fill_reused": (("off", "on"), KEY_FILL_REUSED),
+    "fill_reused": (("off", "on", "valued"), KEY_FILL_REUSED),
     "return_rule": (("off", "on"), KEY_RETURN_RULE),
     "late_fill": (("off", "on", "all"), KEY_LATE_FILL),
 }
 BODIES = ('{"gb": G} or {"slots": N}, and/or {"miss_policy": "fill"|"qstar"|"cpu"} '
-          'with "admission": "off"|"reuse"|"useful" and/or "fill_reused": "off"|"on", and/or '
+          'with "admission": "off"|"reuse"|"useful" and/or "fill_reused": "off"|"on"|"valued", and/or '
           '"return_rule": "off"|"on", "late_fill": "off"|"on"|"all"')
 
 

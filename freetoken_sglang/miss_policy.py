@@ -123,13 +123,15 @@ class MissPolicy:
         late_fill: the late fill (``qstar`` only; not with the return rule).
         late_all: with ``late_fill``, every admitted CPU run fills late (``all``).
         admit_useful: with ``admission``, its useful form (``--freetoken-admission useful``).
+        fill_reused_valued: with ``fill_reused``, its valued form (``--freetoken-fill-reused
+            valued``: ``MissSplit.fill_reused_valued``).
 
     Raises:
         ValueError: unknown name, ``qstar`` without positive bandwidths, ``fixed_us`` or the
             return rule without ``expert_bytes``, the return rule without ``fixed_us``, a rule
             without ``qstar``, the admission rule with the return rule, or the late fill with
-            the return rule, ``late_all`` without ``late_fill``, or ``admit_useful`` without
-            ``admission``.
+            the return rule, ``late_all`` without ``late_fill``, ``admit_useful`` without
+            ``admission``, or ``fill_reused_valued`` without ``fill_reused``.
     """
 
     name: str
@@ -142,6 +144,7 @@ class MissPolicy:
     late_fill: bool = False
     late_all: bool = False
     admit_useful: bool = False
+    fill_reused_valued: bool = False
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -164,6 +167,9 @@ class MissPolicy:
                              "to the CPU on purpose: give one of them")
         if self.admit_useful and not self.admission:
             raise ValueError("admit_useful is a form of the admission rule: give admission too")
+        if self.fill_reused_valued and not self.fill_reused:
+            raise ValueError("fill_reused_valued is a form of the re-miss rule: give "
+                             "fill_reused too")
         if self.late_all and not self.late_fill:
             raise ValueError("late_all is a form of the late fill: give late_fill too")
         if self.late_fill and self.return_rule:
@@ -182,14 +188,15 @@ class MissPolicy:
         if self.fixed_us is None:
             return MissSplit(b_p / b_h, min_fill, admit_reuse=self.admission,
                              fill_reused=self.fill_reused, late_fill=self.late_fill,
-                             late_all=self.late_all, admit_useful=self.admit_useful)
+                             late_all=self.late_all, admit_useful=self.admit_useful,
+                             fill_reused_valued=self.fill_reused_valued)
         f_p, f_h = self.fixed_us
         fill_us = self.expert_bytes / (b_p * 1e3)  # bytes / (GB/s) in us
         # Beside a saturated link the CPU reads at B_H - B_P (Eq. 2); none left: always fill.
         cpu_us = self.expert_bytes / ((b_h - b_p) * 1e3) if b_h > b_p else UNREACHABLE_US
         return MissSplit(b_p / b_h, min_fill, fill_us, cpu_us, f_p, f_h, self.admission,
                          self.fill_reused, self.return_rule, self.late_fill, self.late_all,
-                         self.admit_useful)
+                         self.admit_useful, self.fill_reused_valued)
 
     def split_for(self, num_tokens: int, decode: bool = True) -> MissSplit:
         """The split of a layer call over ``num_tokens`` rows (prefill-sized calls fill); in
@@ -217,10 +224,12 @@ class MissPolicy:
     def label(self) -> str:
         """The policy and its rules in the flags' words: ``fill``, ``qstar``, ``cpu``,
         ``qstar+admission`` (``qstar+admission_useful``), ``qstar+fill_reused``,
-        ``qstar+admission+fill_reused``, each of the qstar ones optionally followed by
+        ``qstar+admission+fill_reused`` (``fill_reused_valued`` for its valued form), each
+        of the qstar ones optionally followed by
         ``+return_rule``, ``+late_fill`` or ``+late_fill_all``."""
         rule = (("+admission_useful" if self.admit_useful else "+admission") if self.admission
-                else "") + ("+fill_reused" if self.fill_reused else "")
+                else "") + ("+fill_reused" if self.fill_reused else "") + (
+                    "_valued" if self.fill_reused_valued else "")
         return (self.name + rule + ("+return_rule" if self.return_rule else "")
                 + ("+late_fill" if self.late_fill else "")
                 + ("_all" if self.late_all else ""))
@@ -237,10 +246,14 @@ class MissPolicy:
         text += ("and the late fill of every admitted CPU run " if self.late_all else
                  "and the late fill " if self.late_fill else "")
         text += f"(B_P {b_p:.1f} GB/s, B_H {b_h:.1f} GB/s, q*/m = B_P/B_H = {b_p / b_h:.3f}"
-        if self.admission and self.fill_reused and not self.admit_useful:
+        if (self.admission and self.fill_reused and not self.admit_useful
+                and not self.fill_reused_valued):
             return text + "; every reused miss filled, the others on the CPU)"
         if self.admit_useful and self.fill_reused:
             text += "; reused misses filled while the LRU slot was hit since its fill"
+        if self.fill_reused_valued:
+            text += (f"; a reused miss filled only where its expected uses before eviction "
+                     f"reach B_H/B_P - 1 = {b_h / b_p - 1:.2f}")
         if self.fixed_us is None:
             return text + "; fixed costs unknown: no lone-miss rule)"
         f_p, f_h = self.fixed_us

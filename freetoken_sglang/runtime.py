@@ -480,7 +480,8 @@ class FreeTokenRuntime:
                 self.pool.expert_bytes,
                 admission=self.config.admission != "off",
                 admit_useful=self.config.admission == "useful",
-                fill_reused=self.config.fill_reused == "on",
+                fill_reused=self.config.fill_reused != "off",
+                fill_reused_valued=self.config.fill_reused == "valued",
                 return_rule=self.config.return_rule == "on",
                 late_fill=self.config.late_fill != "off",
                 late_all=self.config.late_fill == "all",
@@ -848,7 +849,9 @@ class FreeTokenRuntime:
         adm = admission != "off" if admission is not None else keep and cur.admission
         useful = (admission == "useful" if admission is not None
                   else keep and cur.admit_useful)
-        reused = fill_reused == "on" if fill_reused is not None else keep and cur.fill_reused
+        reused = fill_reused != "off" if fill_reused is not None else keep and cur.fill_reused
+        valued = (fill_reused == "valued" if fill_reused is not None
+                  else keep and cur.fill_reused_valued)
         ret = return_rule == "on" if return_rule is not None else keep and cur.return_rule
         late = late_fill != "off" if late_fill is not None else keep and cur.late_fill
         late_all = late_fill == "all" if late_fill is not None else keep and cur.late_all
@@ -859,7 +862,8 @@ class FreeTokenRuntime:
                 "--freetoken-miss-policy qstar or cpu to change policies while serving")
         if name != "qstar":
             return MissPolicy(name, admission=adm, fill_reused=reused, return_rule=ret,
-                              late_fill=late, late_all=late_all, admit_useful=useful)
+                              late_fill=late, late_all=late_all, admit_useful=useful,
+                              fill_reused_valued=valued)
         try:
             bw = self._resolve_bandwidth()
         except Exception as e:  # noqa: BLE001 - the server keeps serving its old policy
@@ -869,7 +873,7 @@ class FreeTokenRuntime:
                 "measures them)") from e
         return MissPolicy("qstar", (bw.b_p, bw.b_h), bw.fixed_us, self.pool.expert_bytes,
                           admission=adm, fill_reused=reused, return_rule=ret, late_fill=late,
-                          late_all=late_all, admit_useful=useful)
+                          late_all=late_all, admit_useful=useful, fill_reused_valued=valued)
 
     def _set_policy(self, policy: MissPolicy) -> None:
         """Serve decode misses by ``policy`` from the next captured or eager forward (the

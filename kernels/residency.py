@@ -32,6 +32,7 @@ from freetoken_sglang.cache.residency import (
     MissSplit,
     ResidencyState,
     fill_count_after,
+    reuse_need,
     max_unique_experts,
 )
 from freetoken_sglang.kernels.doorbell import DoorbellPost, _post_tail, check_post
@@ -91,6 +92,7 @@ def _decide_kernel(
     cpu_us,
     fill_fixed_us,
     fixed_diff_us,  # fill_fixed_us - cpu_fixed_us
+    reuse_need,  # B_H/B_P - 1 (the valued re-miss rule), fp32
     late_src_ptr,  # int32 [K] out (the late fill)
     late_dst_ptr,  # int32 [K] out (the late fill)
     late_count_ptr,  # int32 [1] out (the late fill)
@@ -114,6 +116,7 @@ def _decide_kernel(
     ADMIT: tl.constexpr,  # the admission rule (MissSplit.admit_reuse)
     USEFUL: tl.constexpr,  # ... in its useful form (MissSplit.admit_useful)
     REFILL: tl.constexpr,  # the re-miss rule (MissSplit.fill_reused)
+    VALUED: tl.constexpr,  # ... in its valued form (MissSplit.fill_reused_valued)
     RETURN: tl.constexpr,  # the return rule (MissSplit.return_rule)
     LATE: tl.constexpr,  # the late fill (MissSplit.late_fill)
     LATE_ALL: tl.constexpr,  # ... of every admitted CPU run (MissSplit.late_all)
@@ -201,6 +204,12 @@ def _decide_kernel(
     # count).
     if REFILL:
         forced = reused & calm
+        if VALUED:
+            # expected uses before eviction (LRU age / time since the last use) of at least
+            # B_H/B_P - 1, in fp32 as the reference's valued_reuse
+            age_f = (now - oldest).to(tl.float32)
+            gap_f = tl.maximum(now - last, 1).to(tl.float32)
+            forced = forced & (age_f >= reuse_need * gap_f)
     else:
         forced = miss & (e < 0)
     rest = miss & (forced == 0)
@@ -482,6 +491,7 @@ def decide_triton(
         float(split.cpu_us),
         float(split.fill_fixed_us),
         float(split.fill_fixed_us - split.cpu_fixed_us),
+        reuse_need(split),
         late.src if late is not None else plan.src,
         late.dst if late is not None else plan.dst,
         late.count if late is not None else plan.count,
@@ -494,6 +504,7 @@ def decide_triton(
         ADMIT=bool(split.admit_reuse) and state.num_slots > 0,
         USEFUL=bool(split.admit_reuse and split.admit_useful) and state.num_slots > 0,
         REFILL=bool(split.fill_reused) and state.num_slots > 0,
+        VALUED=bool(split.fill_reused and split.fill_reused_valued) and state.num_slots > 0,
         RETURN=bool(split.return_rule) and state.num_slots > 0,
         LATE=late_on,
         LATE_ALL=late_on and bool(split.late_all),

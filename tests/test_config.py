@@ -265,7 +265,7 @@ def test_launch_server_help_lists_the_flags():
     ):
         assert flag in out.stdout
     # choice flags show their choices, not a placeholder
-    for shown in ("--freetoken-fill-reused {off,on}", "--freetoken-stream-buffers {1,2}",
+    for shown in ("--freetoken-fill-reused {off,on,valued}", "--freetoken-stream-buffers {1,2}",
                   "--freetoken-prefill-cpu {off,auto,F}",
                   "--freetoken-cpu-isa {auto,portable,avx2,avx512,avx512_bf16,amx}"):
         assert shown in out.stdout

@@ -56,9 +56,13 @@ def test_decide_on_cuda_matches_reference():
         # the useful admission, alone and with the re-miss rule
         useful = MissSplit(0.6, 1, admit_reuse=True, admit_useful=True)
         useful_refill = MissSplit(0.6, 1, admit_reuse=True, fill_reused=True, admit_useful=True)
+        # the valued re-miss rule (B_H/B_P - 1 = 7/3 in fp32), alone and with the useful form
+        valued = MissSplit(0.3, 1, fill_reused=True, fill_reused_valued=True)
+        useful_valued = MissSplit(0.4, 1, admit_reuse=True, fill_reused=True, admit_useful=True,
+                                  fill_reused_valued=True)
         split = (rng.choice([MissSplit(0.6, 1), MissSplit(0.7, 1), costed, admit, refill, both,
                              ret, ret, late, late_admit, late_all, late_all_admit, useful,
-                             useful_refill])
+                             useful_refill, valued, useful_valued])
                  if T <= 16 else MissSplit(1.0, 0))
         ids = torch.tensor([rng.sample(range(E), k) for _ in range(T)], dtype=torch.int32)
         w = torch.rand(T, k)

@@ -16,6 +16,7 @@ from freetoken_sglang.cache.residency import (
     MissSplit,
     ResidencyState,
     decide,
+    reuse_need,
     max_unique_experts,
     used_experts,
 )
@@ -50,7 +51,12 @@ SPLITS = [FILL_ALL, MissSplit(0.6, 1), MissSplit(0.25, 1), MissSplit(0.0, 0), CO
           MissSplit(0.6, 0, admit_reuse=True, late_fill=True, late_all=True),
           # the useful admission: alone, with the re-miss rule, and with the late fill (all)
           USEFUL, MissSplit(0.6, 1, admit_reuse=True, fill_reused=True, admit_useful=True),
-          MissSplit(0.6, 0, admit_reuse=True, late_fill=True, late_all=True, admit_useful=True)]
+          MissSplit(0.6, 0, admit_reuse=True, late_fill=True, late_all=True, admit_useful=True),
+          # the valued re-miss rule (B_H/B_P - 1 = 2/3 later uses): alone and with the useful
+          # admission
+          MissSplit(0.6, 1, fill_reused=True, fill_reused_valued=True),
+          MissSplit(0.6, 1, admit_reuse=True, fill_reused=True, admit_useful=True,
+                    fill_reused_valued=True)]
 
 
 class ReferenceLRU:
@@ -92,6 +98,11 @@ class ReferenceLRU:
             self.useful[0 if calm else 1] += 1
             admitted = misses if calm else reused
         forced = reused if split.fill_reused and calm else []
+        if split.fill_reused_valued and misses and self.S:
+            # expected uses before eviction: LRU age over the time since the last use (fp32)
+            need = np.float32(reuse_need(split))
+            forced = [f for f in forced if np.float32(self.clock - oldest)
+                      >= need * np.float32(max(self.clock - self.last_use[f], 1))]
         self.forced += len(forced) if oldest >= 0 else 0
         rest = [f for f in misses if f not in forced]
         m = len(misses)
@@ -381,6 +392,27 @@ def test_remiss_rule_fills_an_expert_the_cpu_served(use_kernel, fill_reused):
         assert fills == [[], [], []]
         assert cpu == [[0, 1], [2, 3], [4, 2]]
     assert counters[:, 0].tolist() == ([6, 0, 3, 1, 3] if fill_reused else [6, 0, 0, 0, 6])
+
+
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])
+@pytest.mark.parametrize("valued", [False, True])
+def test_valued_remiss_rule_fills_a_reused_miss_expected_back_often_enough(use_kernel, valued):
+    # One layer, 2 slots, q* = round(m / 4) (B_H/B_P - 1 = 3 later uses needed), no minimum
+    # fill. 1 (clock 1): 0 and 1 miss with a slot empty (the LRU stamp -1: every miss is
+    # reused); the re-miss rule fills both; valued, each has an LRU age of 2 against 3 x 1
+    # since its last use (clock 0): neither is forced, q* = 1 fills 0 and 1 runs on the CPU.
+    # Slot 1 then stays empty under the valued form. 8: 2 misses, last used at 5: age 9 (the
+    # stamp -1 still) against 3 x 3: filled under both (the bound is inclusive).
+    split = MissSplit(0.25, 0, fill_reused=True, fill_reused_valued=valued)
+    calls = ([0, 1], [2], [0], [1], [2], [3], [0], [2], [1], [3])
+    _, _, plans, cpu = one_row_calls(use_kernel, split, 8, 2, calls)
+    fills = [list(zip(src, dst)) for src, dst in plans]
+    if valued:
+        assert fills == [[(0, 0)], [], [], [], [], [], [], [(2, 1)], [], []]
+        assert cpu == [[1], [2], [], [1], [2], [3], [], [], [1], [3]]
+    else:
+        assert fills == [[(0, 0), (1, 1)], [], [], [], [], [], [], [(2, 1)], [], []]
+        assert cpu == [[], [2], [], [], [2], [3], [], [], [1], [3]]
 
 
 @pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])

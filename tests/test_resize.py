@@ -347,7 +347,8 @@ def test_resize_under_load_matches_stock_sglang(tiny_checkpoint, tmp_path):
     assert not_json.json()["error"].endswith('send {"gb": G} or {"slots": N}, and/or '
                                              '{"miss_policy": "fill"|"qstar"|"cpu"} with '
                                              '"admission": "off"|"reuse"|"useful" and/or '
-                                             '"fill_reused": "off"|"on", and/or "return_rule": '
+                                             '"fill_reused": "off"|"on"|"valued", and/or '
+                                             '"return_rule": '
                                              '"off"|"on", '
                                              '"late_fill": "off"|"on"|"all"')
     assert final["cache"]["slots"] == 24 and final["cache"]["resizes"] == len(SIZES)
@@ -370,7 +371,7 @@ def _generate(url):
 
 def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     """A server started with qstar serves cpu, qstar with the admission rule (and the re-miss
-    rule), the return rule, the late fill and fill after
+    rule, then its valued form), the return rule, the late fill and fill after
     ``POST /freetoken/cache`` changes them, each with the tokens qstar gave (fp32: every
     policy is stock's, tests/test_e2e_families.py) and the counters each policy leaves.
     B_P / B_H = 0.1: q* rounds up to 4 misses to no fill; the late fill (all) fills every CPU
@@ -392,6 +393,8 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
         got_both, s2b = _generate(ft.url)
         to_useful = post({"admission": "useful"})  # the re-miss rule kept
         got_useful, s2u = _generate(ft.url)
+        to_valued = post({"fill_reused": "valued"})  # the useful admission kept
+        got_valued, s2v = _generate(ft.url)
         with_admit = post({"return_rule": "on"})  # the admission rule kept: refused
         to_return = post({"admission": "off", "fill_reused": "off", "return_rule": "on"})
         got_return, s2r = _generate(ft.url)
@@ -421,7 +424,11 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     assert to_useful.json()["miss_policy"] == "qstar+admission_useful+fill_reused"
     assert got_useful == want and (s2u["admission"], s2u["fill_reused"]) == ("useful", "on")
     assert d(s2b, s2u, "reads") > 0
-    s2 = s2u
+    assert to_valued.status_code == 200, to_valued.text
+    assert to_valued.json()["miss_policy"] == "qstar+admission_useful+fill_reused_valued"
+    assert got_valued == want and (s2v["admission"], s2v["fill_reused"]) == ("useful", "valued")
+    assert d(s2u, s2v, "reads") > 0
+    s2 = s2v
     assert to_return.status_code == 200, to_return.text
     assert with_admit.status_code == 400 and "give one of them" in with_admit.json()["error"]
     assert to_return.json()["miss_policy"] == "qstar+return_rule"
@@ -445,8 +452,10 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     assert "decode misses now qstar+admission+fill_reused (was qstar+admission): " in log
     assert ("decode misses now qstar+admission_useful+fill_reused (was "
             "qstar+admission+fill_reused): ") in log
-    assert ("decode misses now qstar+return_rule (was qstar+admission_useful+fill_reused): "
-            in log)
+    assert ("decode misses now qstar+admission_useful+fill_reused_valued (was "
+            "qstar+admission_useful+fill_reused): ") in log
+    assert ("decode misses now qstar+return_rule (was "
+            "qstar+admission_useful+fill_reused_valued): " in log)
     assert "decode misses now qstar+late_fill_all (was qstar+return_rule): " in log
     assert "decode misses now fill (was qstar+late_fill_all): " in log
 

@@ -63,7 +63,10 @@ class MissSplit:
     evicted; *calm*), and only the reused ones otherwise (the fills are evicted unused:
     thrash); with ``fill_reused`` as well, the reused misses are filled only while calm (under
     thrash a forced fill would evict another slot's unused fill again), and under thrash they
-    are admitted as above.
+    are admitted as above. With ``fill_reused_valued`` (its valued form) a reused miss is
+    forced only where the uses it is expected to get before eviction, the LRU age over the
+    time since its last use, reach ``B_H/B_P - 1`` (``valued_reuse``): a fill costs ``S/B_P``
+    now, and the call's CPU run it replaces and each later hit save about ``S/B_H`` each.
 
     With ``return_rule`` (``miss_policy.py``) the c CPU experts left after the above stay on
     the CPU only if the time they save now exceeds the fills they are expected to cost later
@@ -91,6 +94,7 @@ class MissSplit:
     late_fill: bool = False
     late_all: bool = False
     admit_useful: bool = False
+    fill_reused_valued: bool = False
 
     @property
     def may_run_cpu(self) -> bool:
@@ -322,6 +326,22 @@ def fill_count_after(forced: torch.Tensor, rest: torch.Tensor, split: MissSplit)
     return q - forced
 
 
+def reuse_need(split: MissSplit) -> float:
+    """``B_H/B_P - 1`` (``1/fill_ratio - 1``; infinite where ``fill_ratio`` is 0): the later
+    uses a reused miss must be expected to get before eviction for the valued re-miss rule to
+    fill it (``MissSplit.fill_reused_valued``)."""
+    return 1.0 / split.fill_ratio - 1.0 if split.fill_ratio > 0 else float("inf")
+
+
+def valued_reuse(age: torch.Tensor, gap: torch.Tensor, split: MissSplit) -> torch.Tensor:
+    """The valued re-miss rule's test (``MissSplit.fill_reused_valued``): bool, where ``age``
+    (the clock since the least recently used slot's stamp) is at least ``reuse_need`` times
+    ``gap`` (the clock since the miss's last use, at least 1): the expected uses before
+    eviction. fp32 arithmetic, as in the decision kernel."""
+    need = torch.tensor(reuse_need(split), dtype=torch.float32, device=age.device)
+    return age.float() >= need * gap.clamp(min=1).float()
+
+
 def keeps_cpu(q: torch.Tensor, m: torch.Tensor, rate: torch.Tensor,
                split: MissSplit) -> torch.Tensor:
     """The return rule (``MissSplit.return_rule``): whether a call's ``c = m - q`` CPU experts
@@ -408,6 +428,8 @@ def decide_reference(
         forced = forced & calm
     else:
         admitted = reused
+    if split.fill_reused and split.fill_reused_valued and oldest is not None:
+        forced = forced & valued_reuse(now - oldest, now - layer_last, split)
     rest = miss & ~forced
     eligible = rest & admitted if split.admit_reuse else rest
     q = torch.minimum(fill_count_after(forced.sum().int(), rest.sum().int(), split),

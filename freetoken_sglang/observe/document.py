@@ -89,7 +89,8 @@ def stats_document(rt) -> Dict[str, object]:
     out["miss_policy"] = pol.name if pol else None
     out["admission"] = ("off" if pol is None or not pol.admission
                         else "useful" if pol.admit_useful else "reuse")
-    out["fill_reused"] = "on" if pol is not None and pol.fill_reused else "off"
+    out["fill_reused"] = ("off" if pol is None or not pol.fill_reused
+                          else "valued" if pol.fill_reused_valued else "on")
     out["return_rule"] = "on" if pol is not None and pol.return_rule else "off"
     out["late_fill"] = ("off" if pol is None or not pol.late_fill
                         else "all" if pol.late_all else "on")

@@ -1,12 +1,10 @@
-# Prepared in Session 38 for the next device session (not run): the null slot's A/B on calls with CPU entries. Two servers that start with q* + the useful admission + the re-miss rule at 10% (the s38 0.873 cell), the first with CPU_ENTRIES_READ_NULL_SLOT on (the default), the second with it off (sed in the device's copy); each server's first cell follows its warm-up in the same way, so the two compare with each other (not with THEN cells). Needs _scratch/s31_common.sh (results/h100-2026-12-07-s35/) and results moved aside to fit the carry.
+# Prepared in Session 38 for the next device session (not run): the CUDA check of the decision kernel (the valued re-miss rule's first GPU run), then BF16 trained routing at 50/25/10% on one server: q* first (its 50% cell follows the warm-up: not comparable), THEN the useful admission with the valued re-miss rule, with the calm-gated rule (s38's), alone, fill, cpu. Needs _scratch/s31_common.sh (results/h100-2026-12-07-s35/) and results moved aside to fit the carry; LIMIT: seconds the call may run.
 source _scratch/s31_common.sh
+timeout 100 python3 -m pytest -q -rA -p no:cacheprovider tests/test_gpu.py -k "decide_on_cuda_matches_reference" > $OUT/gputest.log 2>&1; echo "tests rc=$? $SECONDS s" >> $OUT/gputest.log; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" $OUT/gputest.log | tail -4
 T=benchmarks/results/h200-2026-12-03-s14/train/tr/trace_W4.npz
-U=usereu=qstar,--freetoken-admission,useful,--freetoken-fill-reused,on
-NO_STOCK=1 timeout 270 bash benchmarks/decode_matrix.sh $OUT/on 0.1 $T "$U" > $OUT/on.log 2>&1; echo rc=$? >> $OUT/on.log
-pkill -f "[s]glang.launch_server"; sleep 3
-sed -i 's/^CPU_ENTRIES_READ_NULL_SLOT = True/CPU_ENTRIES_READ_NULL_SLOT = False/' freetoken_sglang/execute/decode.py
-grep -n "^CPU_ENTRIES_READ_NULL_SLOT" freetoken_sglang/execute/decode.py > $OUT/flag_off.txt
-NO_STOCK=1 timeout $((580 - SECONDS)) bash benchmarks/decode_matrix.sh $OUT/off 0.1 $T "$U" > $OUT/off.log 2>&1; echo rc=$? >> $OUT/off.log
+A=qstar,--freetoken-admission,useful
+NO_STOCK=1 THEN="valued=$A,--freetoken-fill-reused,valued usereu=$A,--freetoken-fill-reused,on useful=$A fill=fill cpu=cpu" timeout $((${LIMIT:-585} - SECONDS)) bash benchmarks/decode_matrix.sh $OUT/m 0.5,0.25,0.1 $T qstar > $OUT/m.log 2>&1; echo rc=$? >> $OUT/m.log
 finish > /dev/null
-rm -rf $OUT/on/*.safetensors $OUT/off/*.safetensors 2>/dev/null
-grep "^|" $OUT/on.log $OUT/off.log | head -12; tail -2 $OUT/on.log $OUT/off.log; cat $OUT/flag_off.txt
+rm -rf $OUT/m/*.safetensors 2>/dev/null
+grep "^|" $OUT/m.log > $OUT/tables.md
+cd $OUT && tar czf all.tgz env.log mem.log gputest.log m.log m; grep "^|" m.log | tail -20; tail -3 m.log
