@@ -203,7 +203,8 @@ class FreeTokenConfig:
             "misses are filled only while it admits every miss); valued: as on, but only "
             "the reused misses expected to be used again at least B_H/B_P - 1 times before "
             "eviction (the LRU age over the time since their last use), which is what a "
-            "fill costs in CPU runs; off (default): q* splits every miss, as in the paper.",
+            "fill costs in CPU runs (the same as on where B_P/B_H >= 1/2); off (default): q* "
+            "splits every miss, as in the paper.",
         ),
     )
     return_rule: str = field(

@@ -159,7 +159,7 @@ def resize_cache(engine, slots: Optional[int] = None, gb: Optional[float] = None
     """Resize the GPU expert cache of an ``sglang.Engine(..., enable_freetoken=True)``, or
     change its miss policy, as ``POST /freetoken/cache`` does: at most one of ``slots`` and
     ``gb`` (GiB); ``miss_policy`` (``fill``, ``qstar``, ``cpu``) with ``admission``
-    (``off``, ``reuse``, ``useful``) and/or ``fill_reused`` (``off``, ``on``), and
+    (``off``, ``reuse``, ``useful``) and/or ``fill_reused`` (``off``, ``on``, ``valued``), and
     ``return_rule`` (``off``, ``on``) or ``late_fill`` (``off``, ``on``, ``all``), as the flags
     of those names.
 

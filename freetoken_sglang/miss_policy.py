@@ -29,14 +29,19 @@ own LRU age, not a tuned constant (``cache/residency.py``). The forced fills tak
 time out of Eq. 4's balance: of m misses with f reused, ``max(f, q*(m))`` are filled, the
 reused ones first, and the lone-miss rule weighs the CPU experts left. Off by default: with
 plain q* on trained routing 0.988 of fill at bs1 and 50% cache, 0.503 of cpu at bs4 and 10%
-(benchmarks/RESULTS.md, Session 37).
+(benchmarks/RESULTS.md, Session 37). Its valued form (``--freetoken-fill-reused valued``)
+forces a reused miss only where its expected uses before eviction, the LRU age over the time
+since its last use, reach B_H/B_P - 1 (a fill costs S/B_P; the CPU run it replaces and each
+later hit save about S/B_H); it is the same as ``on`` where B_P/B_H >= 1/2, since a reused
+miss's LRU age always exceeds the time since its last use. The reused misses it does not force
+are split like the others (with the admission rule: admitted, then split by q*).
 
 The admission rule (``--freetoken-admission reuse``, beyond the paper): under thrash, LRU fills
 experts that are evicted before their next use. A miss is fillable only if its last use is
 more recent than the least recently used slot's: had it been admitted then, it would still be
 resident, so its reuse distance is within the cache's residency time. The others run on the
-CPU and the cache keeps what it has; q* still caps the fills. With the re-miss rule too,
-exactly the reused misses are filled and the others run on the CPU, whatever q* and the
+CPU and the cache keeps what it has; q* still caps the fills. With the re-miss rule too (not
+its valued form), exactly the reused misses are filled and the others run on the CPU, whatever q* and the
 lone-miss rule say (the late fill may still fill a call's misses after it): a second use
 within the cache's LRU age admits an expert.
 In its useful form (``--freetoken-admission useful``) the rule is on only while the cache

@@ -92,7 +92,7 @@ def _decide_kernel(
     cpu_us,
     fill_fixed_us,
     fixed_diff_us,  # fill_fixed_us - cpu_fixed_us
-    reuse_need,  # B_H/B_P - 1 (the valued re-miss rule), fp32
+    uses_needed,  # B_H/B_P - 1 (the valued re-miss rule), fp32
     late_src_ptr,  # int32 [K] out (the late fill)
     late_dst_ptr,  # int32 [K] out (the late fill)
     late_count_ptr,  # int32 [1] out (the late fill)
@@ -209,7 +209,7 @@ def _decide_kernel(
             # B_H/B_P - 1, in fp32 as the reference's valued_reuse
             age_f = (now - oldest).to(tl.float32)
             gap_f = tl.maximum(now - last, 1).to(tl.float32)
-            forced = forced & (age_f >= reuse_need * gap_f)
+            forced = forced & (age_f >= uses_needed * gap_f)
     else:
         forced = miss & (e < 0)
     rest = miss & (forced == 0)

@@ -52,10 +52,10 @@ SPLITS = [FILL_ALL, MissSplit(0.6, 1), MissSplit(0.25, 1), MissSplit(0.0, 0), CO
           # the useful admission: alone, with the re-miss rule, and with the late fill (all)
           USEFUL, MissSplit(0.6, 1, admit_reuse=True, fill_reused=True, admit_useful=True),
           MissSplit(0.6, 0, admit_reuse=True, late_fill=True, late_all=True, admit_useful=True),
-          # the valued re-miss rule (B_H/B_P - 1 = 2/3 later uses): alone and with the useful
-          # admission
-          MissSplit(0.6, 1, fill_reused=True, fill_reused_valued=True),
-          MissSplit(0.6, 1, admit_reuse=True, fill_reused=True, admit_useful=True,
+          # the valued re-miss rule (B_H/B_P - 1 = 7/3 and 3/2 later uses; at B_P/B_H >= 1/2
+          # it would be the plain rule): alone and with the useful admission
+          MissSplit(0.3, 1, fill_reused=True, fill_reused_valued=True),
+          MissSplit(0.4, 1, admit_reuse=True, fill_reused=True, admit_useful=True,
                     fill_reused_valued=True)]
 
 
@@ -392,6 +392,20 @@ def test_remiss_rule_fills_an_expert_the_cpu_served(use_kernel, fill_reused):
         assert fills == [[], [], []]
         assert cpu == [[0, 1], [2, 3], [4, 2]]
     assert counters[:, 0].tolist() == ([6, 0, 3, 1, 3] if fill_reused else [6, 0, 0, 0, 6])
+
+
+def test_valued_reuse_compares_in_fp32():
+    # B_H/B_P - 1 at B_P/B_H = 0.3 is 7/3; 27 x 7/3 rounds to 63 in fp32 (the kernel's
+    # arithmetic) but is 63.00000000000001 in fp64: an age of 63 reaches it in fp32 only.
+    from freetoken_sglang.cache.residency import valued_reuse
+
+    split = MissSplit(0.3, 1, fill_reused=True, fill_reused_valued=True)
+    age, gap = torch.tensor([63, 62]), torch.tensor([27, 27])
+    assert valued_reuse(age, gap, split).tolist() == [True, False]
+    assert 63 < reuse_need(split) * 27  # (fp64)
+    # a gap under 1 counts as 1; no fill ratio: never
+    assert valued_reuse(torch.tensor([3]), torch.tensor([0]), MissSplit(0.25, 0)).tolist() == [True]
+    assert not valued_reuse(torch.tensor([10**6]), torch.tensor([1]), MissSplit(0.0, 0)).item()
 
 
 @pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)])

@@ -66,7 +66,9 @@ class MissSplit:
     are admitted as above. With ``fill_reused_valued`` (its valued form) a reused miss is
     forced only where the uses it is expected to get before eviction, the LRU age over the
     time since its last use, reach ``B_H/B_P - 1`` (``valued_reuse``): a fill costs ``S/B_P``
-    now, and the call's CPU run it replaces and each later hit save about ``S/B_H`` each.
+    now, and the call's CPU run it replaces and each later hit save about ``S/B_H`` each. It
+    is the same as ``fill_reused`` alone where ``fill_ratio >= 1/2``: a reused miss's LRU age
+    always exceeds the time since its last use.
 
     With ``return_rule`` (``miss_policy.py``) the c CPU experts left after the above stay on
     the CPU only if the time they save now exceeds the fills they are expected to cost later
