@@ -171,7 +171,8 @@ def measure_decode(url: str, input_len: int, new_tokens: int, repeats: int,
 
 # --then's flags and the POST /freetoken/cache keys they become
 THEN_FLAGS = {"--freetoken-admission": "admission", "--freetoken-fill-reused": "fill_reused",
-              "--freetoken-return-rule": "return_rule", "--freetoken-late-fill": "late_fill"}
+              "--freetoken-return-rule": "return_rule", "--freetoken-late-fill": "late_fill",
+              "--freetoken-host-rates": "host_rates"}
 
 
 def parse_then(spec: str):
@@ -230,6 +231,7 @@ def ft_summary(s: dict) -> dict:
         "admission": s.get("admission"),
         "fill_reused": s.get("fill_reused"),
         "return_rule": s.get("return_rule"),
+        "host_rates": s.get("host_rates"),
         "return_rate": (s.get("cache") or {}).get("return_rate"),
         "late_fill": s.get("late_fill"),
         "late_fills": (s.get("cache") or {}).get("late_fills"),

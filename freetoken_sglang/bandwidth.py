@@ -1,7 +1,8 @@
 """B_P and B_H, measured on the machine that serves (paper §3.2): the pinned host-to-GPU
 expert-fill bandwidth and the CPU executor's expert-processing bandwidth, both in GB/s on
-the model's real expert shape, and each branch's fixed cost per layer call (F_P, F_H, in us,
-for the lone-miss rule of ``miss_policy.py``), with a JSON cache per (GPU, CPU, threads,
+the model's real expert shape, each alone and both while the other runs (for
+``--freetoken-host-rates beside``), and each branch's fixed cost per layer call (F_P, F_H, in
+us, for the lone-miss rule of ``miss_policy.py``), with a JSON cache per (GPU, CPU, threads,
 expert shape).
 """
 
@@ -12,6 +13,7 @@ import logging
 import os
 import platform
 import random
+import threading
 import time
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
@@ -30,6 +32,30 @@ class Bandwidth:
     source: str  # "flag", "cache <path>" or "measured"
     f_p_us: Optional[float] = None  # us, fixed cost of a layer call's fills (None: unknown)
     f_h_us: Optional[float] = None  # us, fixed cost of a CPU executor call with work
+    b_p_beside: Optional[float] = None  # GB/s, fills while the executor runs (None: unknown)
+    b_h_beside: Optional[float] = None  # GB/s, the executor while fills run
+
+    def split_rates(self, host_rates: str = "alone") -> Tuple[float, float]:
+        """``(B_P, B_H)`` for the q* split (``miss_policy.MissPolicy.bandwidth``). ``alone``:
+        each rate measured alone, as the paper's Eq. 3 takes them (the CPU reading the host
+        memory a busy link leaves, B_H - B_P). ``beside``: the rates measured while both run,
+        ``(B_P', B_P' + B_H')``, so that Eq. 3's ``B_H - B_P`` is the CPU's measured B_H'
+        and Eq. 4 balances ``q / (m - q) = B_P' / B_H'``.
+
+        Raises:
+            ValueError: ``beside`` without the rates beside each other (a
+                ``--freetoken-bandwidth`` of two or four numbers), or an unknown name.
+        """
+        if host_rates == "alone":
+            return (self.b_p, self.b_h)
+        if host_rates != "beside":
+            raise ValueError(f"host rates must be alone or beside, got {host_rates!r}")
+        if self.b_p_beside is None or self.b_h_beside is None:
+            raise ValueError("--freetoken-host-rates beside needs B_P and B_H measured beside "
+                             "each other: give --freetoken-bandwidth B_P,B_H,F_P,F_H,B_P',B_H' "
+                             "(python -m freetoken_sglang.profile measures them) or no "
+                             "--freetoken-bandwidth")
+        return (self.b_p_beside, self.b_p_beside + self.b_h_beside)
 
     @property
     def fixed_us(self) -> Optional[Tuple[float, float]]:
@@ -44,20 +70,24 @@ class Bandwidth:
 
 
 def parse_flag(text: str) -> Tuple[float, ...]:
-    """``"B_P,B_H"`` in GB/s, optionally followed by ``",F_P,F_H"`` in microseconds.
+    """``"B_P,B_H"`` in GB/s, optionally followed by ``",F_P,F_H"`` in microseconds, then
+    optionally by ``",B_P',B_H'"``, the two rates in GB/s while both run.
 
     Raises:
-        ValueError: not two positive numbers, optionally followed by two non-negative ones.
+        ValueError: not two positive numbers, optionally followed by two non-negative ones
+            and then two positive ones.
     """
     parts = [p.strip() for p in str(text).split(",")]
     try:
         values = tuple(float(p) for p in parts)
     except ValueError:
         values = ()
-    if len(values) not in (2, 4) or min(values[:2]) <= 0 or min(values) < 0:
+    if (len(values) not in (2, 4, 6) or min(values[:2]) <= 0 or min(values) < 0
+            or min(values[4:6], default=1) <= 0):
         raise ValueError(
             "expected B_P,B_H as two positive GB/s numbers, optionally followed by F_P,F_H "
-            f"in microseconds (e.g. 50,120 or 50,120,4,20), got {text!r}"
+            "in microseconds, then by B_P',B_H' (GB/s while both run) (e.g. 50,120, "
+            f"50,120,4,20 or 50,120,4,20,45,100), got {text!r}"
         )
     return values
 
@@ -175,6 +205,37 @@ def measure_executor(executor, hidden: int, dtype: torch.dtype, expert_bytes: in
         executor.run(x, rows, ids, weights, out)
         total += k * expert_bytes
     return total / (time.perf_counter() - t0) / 1e9
+
+
+def measure_beside(pool_banks: Dict[str, torch.Tensor],
+                   device_pool_banks: Dict[str, torch.Tensor], device: torch.device, executor,
+                   hidden: int, dtype: torch.dtype, expert_bytes: int,
+                   seconds: float = 1.0) -> Tuple[float, float]:
+    """``(B_P', B_H')`` in GB/s: ``measure_fill`` on a side thread while ``measure_executor``
+    runs, both for ``seconds`` from the same start, as a decode layer call's fill and CPU
+    branches share the host's memory (the executor's calls release the GIL). Paper §3.2
+    Eq. 3 assumes ``B_H' = B_H - B_P``; this measures it.
+
+    Raises:
+        the fill side's exception, if it failed.
+    """
+    got: Dict[str, object] = {}
+
+    def fills():
+        try:
+            got["b_p"] = measure_fill(pool_banks, device_pool_banks, device, seconds=seconds)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            got["error"] = e
+
+    side = threading.Thread(target=fills, name="freetoken-bandwidth-beside", daemon=True)
+    side.start()
+    try:
+        b_h = measure_executor(executor, hidden, dtype, expert_bytes, seconds=seconds)
+    finally:
+        side.join()
+    if "error" in got:
+        raise got["error"]
+    return float(got["b_p"]), b_h
 
 
 def measure_executor_tokens(executor, hidden: int, dtype: torch.dtype,
@@ -342,34 +403,47 @@ def resolve(
 ) -> Bandwidth:
     """The bandwidths (and fixed costs) to serve with: the flag, else the cached profile of
     this machine and expert shape, else a measurement now (a few seconds; stored in
-    ``cache_path``). A flag without fixed costs leaves them unknown (no lone-miss rule)."""
+    ``cache_path``; a cached profile without the rates beside each other gets them measured
+    now, about a second). A flag without fixed costs leaves them unknown (no lone-miss rule),
+    one without the rates beside each other leaves those unknown."""
     if flag is not None:
-        fixed = tuple(flag[2:4]) if len(flag) == 4 else (None, None)
-        return Bandwidth(flag[0], flag[1], "flag --freetoken-bandwidth", *fixed)
+        fixed = tuple(flag[2:4]) if len(flag) >= 4 else (None, None)
+        beside = tuple(flag[4:6]) if len(flag) == 6 else (None, None)
+        return Bandwidth(flag[0], flag[1], "flag --freetoken-bandwidth", *fixed, *beside)
     key = machine_key(device, executor.num_threads, expert_shape(pool.specs["w13_weight"]),
                       executor.isa)
     cached = load_cached(cache_path, key)
     if cached and "F_P_us" in cached and "F_H_us" in cached:
+        if "B_P_beside" not in cached or "B_H_beside" not in cached:  # a profile from before
+            b_pb, b_hb = measure_beside(pool.banks, pool.device_banks, device, executor,
+                                        hidden, act_dtype, pool.expert_bytes)
+            cached = {**cached, "B_P_beside": b_pb, "B_H_beside": b_hb}
+            store_cached(cache_path, key, cached)
         return Bandwidth(cached["B_P"], cached["B_H"], f"cache {cache_path}",
-                         cached["F_P_us"], cached["F_H_us"])
+                         cached["F_P_us"], cached["F_H_us"], cached["B_P_beside"],
+                         cached["B_H_beside"])
     logger.info(
-        "FreeToken: measuring B_P (pinned fills), B_H (CPU executor, %d threads) and their "
-        "fixed costs on this "
+        "FreeToken: measuring B_P (pinned fills), B_H (CPU executor, %d threads), both beside "
+        "each other, and their fixed costs on this "
         "machine; this runs once per machine and expert shape (a few seconds) ...",
         executor.num_threads,
     )
     t0 = time.perf_counter()
     b_p = measure_fill(pool.banks, pool.device_banks, device)
     b_h = measure_executor(executor, hidden, act_dtype, pool.expert_bytes)
+    b_pb, b_hb = measure_beside(pool.banks, pool.device_banks, device, executor, hidden,
+                                act_dtype, pool.expert_bytes)
     f_p = measure_fill_fixed(pool.banks, pool.device_banks, device)
     f_h = measure_executor_fixed(executor, hidden, act_dtype)
     entry = {
         "B_P": b_p,
         "B_H": b_h,
+        "B_P_beside": b_pb,
+        "B_H_beside": b_hb,
         "F_P_us": f_p,
         "F_H_us": f_h,
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "seconds": time.perf_counter() - t0,
     }
     store_cached(cache_path, key, {**(cached or {}), **entry})
-    return Bandwidth(b_p, b_h, "measured", f_p, f_h)
+    return Bandwidth(b_p, b_h, "measured", f_p, f_h, b_pb, b_hb)

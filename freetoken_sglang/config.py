@@ -261,8 +261,20 @@ class FreeTokenConfig:
             type=_bandwidth,
             help="B_P,B_H in GB/s (pinned host-to-GPU fills, CPU executor), optionally "
             "followed by F_P,F_H, the fill and CPU branches' fixed costs in us (without them "
-            "qstar has no lone-miss rule), instead of the measured profile (python -m "
-            "freetoken_sglang.profile).",
+            "qstar has no lone-miss rule), then by B_P',B_H', the two rates in GB/s while both "
+            "run (for --freetoken-host-rates beside), instead of the measured profile (python "
+            "-m freetoken_sglang.profile).",
+        ),
+    )
+    host_rates: str = field(
+        default="alone",
+        metadata=dict(
+            type=_choice("alone", "beside"),
+            help="With --freetoken-miss-policy qstar, the rates its split reads: alone "
+            "(default) B_P and B_H each measured alone, the CPU taking B_H - B_P beside a "
+            "busy link as in the paper's Eq. 3 (q*/m = B_P/B_H); beside both measured while "
+            "the other runs, B_P' and B_H' (q*/m = B_P'/(B_P' + B_H'); the lone-miss rule and "
+            "the valued re-miss rule read the same two).",
         ),
     )
     backend: str = field(
@@ -569,6 +581,7 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
         ineffective += ["min_free_gb"] if cfg.min_free_gb is not None else []
         ineffective += ["admission"] if cfg.admission != "off" else []
         ineffective += ["fill_reused"] if "fill_reused" in given else []
+        ineffective += ["host_rates"] if "host_rates" in given else []
         ineffective += ["return_rule"] if "return_rule" in given else []
         ineffective += ["late_fill"] if "late_fill" in given else []
         ineffective += ["cpu_branch"] if "cpu_branch" in given else []
@@ -594,7 +607,12 @@ def check_combination(cfg: FreeTokenConfig, given) -> None:
             problems.append("--freetoken-return-rule on needs the branches' fixed costs: give "
                             "--freetoken-bandwidth B_P,B_H,F_P,F_H, or no --freetoken-bandwidth "
                             "(FreeToken measures them)")
-        for name in ("return_rule", "fill_reused"):
+        if (cfg.host_rates == "beside" and cfg.bandwidth is not None
+                and len(cfg.bandwidth) != 6):
+            problems.append("--freetoken-host-rates beside needs the rates beside each other: "
+                            "give --freetoken-bandwidth B_P,B_H,F_P,F_H,B_P',B_H', or no "
+                            "--freetoken-bandwidth (FreeToken measures them)")
+        for name in ("return_rule", "fill_reused", "host_rates"):
             if name in given and cfg.miss_policy != "qstar":
                 problems.append(f"{cli_name(name)} is used only by --freetoken-miss-policy qstar")
         if cfg.miss_policy == "qstar" and cfg.return_rule == "on" and cfg.admission != "off":

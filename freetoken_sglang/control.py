@@ -22,6 +22,7 @@ KEY_ADMISSION = "freetoken_admission"
 KEY_FILL_REUSED = "freetoken_fill_reused"
 KEY_RETURN_RULE = "freetoken_return_rule"
 KEY_LATE_FILL = "freetoken_late_fill"
+KEY_HOST_RATES = "freetoken_host_rates"
 
 # The policy keys of a body, their values, and the server_args key each travels as.
 POLICY_KEYS = {
@@ -30,16 +31,19 @@ POLICY_KEYS = {
     "fill_reused": (("off", "on", "valued"), KEY_FILL_REUSED),
     "return_rule": (("off", "on"), KEY_RETURN_RULE),
     "late_fill": (("off", "on", "all"), KEY_LATE_FILL),
+    "host_rates": (("alone", "beside"), KEY_HOST_RATES),
 }
 BODIES = ('{"gb": G} or {"slots": N}, and/or {"miss_policy": "fill"|"qstar"|"cpu"} '
-          'with "admission": "off"|"reuse"|"useful" and/or "fill_reused": "off"|"on"|"valued", and/or '
-          '"return_rule": "off"|"on", "late_fill": "off"|"on"|"all"')
+          'with "admission": "off"|"reuse"|"useful" and/or "fill_reused": "off"|"on"|"valued", '
+          'and/or '
+          '"return_rule": "off"|"on", "late_fill": "off"|"on"|"all", "host_rates": '
+          '"alone"|"beside"')
 
 
 def parse_body(body) -> dict:
     """``{"slots": N}`` or ``{"gb": G}`` of a request body, and/or a miss policy
     (``"miss_policy"``, ``"admission"``, ``"fill_reused"``, ``"return_rule"``, ``"late_fill"``,
-    the values of the
+    ``"host_rates"``, the values of the
     ``--freetoken-*`` flags of those names), validated. A body with a policy and no size
     keeps the cache's size.
 
@@ -155,13 +159,14 @@ def resize_cache(engine, slots: Optional[int] = None, gb: Optional[float] = None
                  miss_policy: Optional[str] = None, admission: Optional[str] = None,
                  fill_reused: Optional[str] = None,
                  return_rule: Optional[str] = None,
-                 late_fill: Optional[str] = None) -> dict:
+                 late_fill: Optional[str] = None,
+                 host_rates: Optional[str] = None) -> dict:
     """Resize the GPU expert cache of an ``sglang.Engine(..., enable_freetoken=True)``, or
     change its miss policy, as ``POST /freetoken/cache`` does: at most one of ``slots`` and
     ``gb`` (GiB); ``miss_policy`` (``fill``, ``qstar``, ``cpu``) with ``admission``
     (``off``, ``reuse``, ``useful``) and/or ``fill_reused`` (``off``, ``on``, ``valued``), and
-    ``return_rule`` (``off``, ``on``) or ``late_fill`` (``off``, ``on``, ``all``), as the flags
-    of those names.
+    ``return_rule`` (``off``, ``on``) or ``late_fill`` (``off``, ``on``, ``all``), and
+    ``host_rates`` (``alone``, ``beside``), as the flags of those names.
 
     Returns:
         The ``ResizeReport`` fields (old and new slots and bytes, experts kept and dropped,
@@ -172,7 +177,8 @@ def resize_cache(engine, slots: Optional[int] = None, gb: Optional[float] = None
     """
     given = (("slots", slots), ("gb", gb), ("miss_policy", miss_policy),
              ("admission", admission), ("fill_reused", fill_reused),
-             ("return_rule", return_rule), ("late_fill", late_fill))
+             ("return_rule", return_rule), ("late_fill", late_fill),
+             ("host_rates", host_rates))
     request = parse_body({k: v for k, v in given if v is not None})
     answer = engine.loop.run_until_complete(
         request_resize(engine.tokenizer_manager, **request))

@@ -90,6 +90,14 @@ fills and CPU runs; the late copies share the link with later calls' fills. Meas
 (Session 30, trained routing): no bs1 gain either (0.96-0.99 of ``fill``); with the admission
 rule it wins bs4 at 50% (1.41x ``fill``) and loses bs1 at 10% (0.59x admission alone).
 
+The host rates (``--freetoken-host-rates``): Eq. 3 takes the CPU's rate beside a busy link to
+be B_H - B_P, the host memory's rate less what the fills take. Measured on these hosts the two
+share it better (Session 25: 53.7 / 120.5 GB/s alone, 49.3 + 105.6 together), so the paper's
+split fills more than it balances. ``beside`` reads both rates measured while the other runs,
+B_P' and B_H' (``bandwidth.measure_beside``), as ``(B_P', B_P' + B_H')``: Eq. 3's CPU rate is
+then B_H', Eq. 4 balances ``q / (m - q) = B_P' / B_H'``, and the lone-miss and valued re-miss
+rules weigh the same two. ``alone`` (default) is the paper's.
+
 Layer calls over more than ``SPLIT_MAX_TOKENS`` rows that reach the LRU (prefill chunks that
 do not stream, ``execute/choice.py``) fill every miss in all
 three policies; the decision is made from shapes alone, so captured graphs keep it.
@@ -130,13 +138,16 @@ class MissPolicy:
         admit_useful: with ``admission``, its useful form (``--freetoken-admission useful``).
         fill_reused_valued: with ``fill_reused``, its valued form (``--freetoken-fill-reused
             valued``: ``MissSplit.fill_reused_valued``).
+        host_rates: ``alone`` (the paper's) or ``beside``: which rates ``bandwidth`` holds
+            (``bandwidth.Bandwidth.split_rates``), for the description and the label.
 
     Raises:
         ValueError: unknown name, ``qstar`` without positive bandwidths, ``fixed_us`` or the
             return rule without ``expert_bytes``, the return rule without ``fixed_us``, a rule
             without ``qstar``, the admission rule with the return rule, or the late fill with
             the return rule, ``late_all`` without ``late_fill``, ``admit_useful`` without
-            ``admission``, or ``fill_reused_valued`` without ``fill_reused``.
+            ``admission``, ``fill_reused_valued`` without ``fill_reused``, or ``host_rates``
+            not ``alone`` or ``beside``, or ``beside`` without ``qstar``.
     """
 
     name: str
@@ -150,10 +161,16 @@ class MissPolicy:
     late_all: bool = False
     admit_useful: bool = False
     fill_reused_valued: bool = False
+    host_rates: str = "alone"
 
     def __post_init__(self):
         if self.name not in POLICIES:
             raise ValueError(f"miss policy must be one of {POLICIES}, got {self.name!r}")
+        if self.host_rates not in ("alone", "beside"):
+            raise ValueError(f"host rates must be alone or beside, got {self.host_rates!r}")
+        if self.host_rates == "beside" and self.name != "qstar":
+            raise ValueError("the host rates beside each other are read by the qstar split "
+                             "only: give host_rates alone")
         if self.name == "qstar":
             if not self.bandwidth or min(self.bandwidth) <= 0:
                 raise ValueError("the qstar miss policy needs positive B_P and B_H")
@@ -231,13 +248,15 @@ class MissPolicy:
         ``qstar+admission`` (``qstar+admission_useful``), ``qstar+fill_reused``,
         ``qstar+admission+fill_reused`` (``fill_reused_valued`` for its valued form), each
         of the qstar ones optionally followed by
-        ``+return_rule``, ``+late_fill`` or ``+late_fill_all``."""
+        ``+return_rule``, ``+late_fill`` or ``+late_fill_all``, and ``+beside`` with the
+        host rates beside each other."""
         rule = (("+admission_useful" if self.admit_useful else "+admission") if self.admission
                 else "") + ("+fill_reused" if self.fill_reused else "") + (
                     "_valued" if self.fill_reused_valued else "")
         return (self.name + rule + ("+return_rule" if self.return_rule else "")
                 + ("+late_fill" if self.late_fill else "")
-                + ("_all" if self.late_all else ""))
+                + ("_all" if self.late_all else "")
+                + ("+beside" if self.host_rates == "beside" else ""))
 
     def describe(self) -> str:
         if self.name != "qstar":
@@ -250,15 +269,21 @@ class MissPolicy:
         text += "and the return rule " if self.return_rule else ""
         text += ("and the late fill of every admitted CPU run " if self.late_all else
                  "and the late fill " if self.late_fill else "")
-        text += f"(B_P {b_p:.1f} GB/s, B_H {b_h:.1f} GB/s, q*/m = B_P/B_H = {b_p / b_h:.3f}"
+        if self.host_rates == "beside":
+            text += (f"(beside each other B_P' {b_p:.1f} GB/s, B_H' {b_h - b_p:.1f} GB/s, "
+                     f"q*/m = B_P'/(B_P' + B_H') = {b_p / b_h:.3f}")
+        else:
+            text += (f"(B_P {b_p:.1f} GB/s, B_H {b_h:.1f} GB/s, q*/m = B_P/B_H = "
+                     f"{b_p / b_h:.3f}")
         if (self.admission and self.fill_reused and not self.admit_useful
                 and not self.fill_reused_valued):
             return text + "; every reused miss filled, the others on the CPU)"
         if self.admit_useful and self.fill_reused:
             text += "; reused misses filled while the LRU slot was hit since its fill"
         if self.fill_reused_valued:
+            uses = "B_H/B_P - 1" if self.host_rates == "alone" else "B_H'/B_P'"
             text += (f"; a reused miss filled only where its expected uses before eviction "
-                     f"reach B_H/B_P - 1 = {b_h / b_p - 1:.2f}")
+                     f"reach {uses} = {b_h / b_p - 1:.2f}")
         if self.fixed_us is None:
             return text + "; fixed costs unknown: no lone-miss rule)"
         f_p, f_h = self.fixed_us

@@ -4,7 +4,8 @@
 
 Reads only the model's config. B_P: pinned host-to-GPU fills of batches of experts, through
 the cache's own fill path; B_H: the C executor's decode-like calls on the same expert shape,
-over a scratch pool larger than the CPU caches; F_P and F_H: the intercepts of each branch's
+over a scratch pool larger than the CPU caches; B_P' and B_H': both while the other runs
+(``bandwidth.measure_beside``, for ``--freetoken-host-rates beside``); F_P and F_H: the intercepts of each branch's
 time over its expert count (``bandwidth.measure_fill_fixed``, ``measure_executor_fixed``). The result goes to the JSON cache that
 ``--enable-freetoken`` servers read at start (``~/.cache/freetoken/bandwidth.json``), keyed by
 GPU, CPU, thread count and expert shape.
@@ -73,6 +74,8 @@ def main(argv=None) -> None:
         hidden = int(families.text_config(hf_config).hidden_size)
         dtype = pool.specs["w13_weight"].dtype
         b_h = bandwidth.measure_executor(ex, hidden, dtype, pool.expert_bytes)
+        b_pb, b_hb = bandwidth.measure_beside(pool.banks, pool.device_banks, device, ex,
+                                              hidden, dtype, pool.expert_bytes)
         f_p = bandwidth.measure_fill_fixed(pool.banks, pool.device_banks, device)
         f_h = bandwidth.measure_executor_fixed(ex, hidden, dtype)
         shape = bandwidth.expert_shape(pool.specs["w13_weight"])
@@ -80,6 +83,8 @@ def main(argv=None) -> None:
         entry = {
             "B_P": b_p,
             "B_H": b_h,
+            "B_P_beside": b_pb,
+            "B_H_beside": b_hb,
             "F_P_us": f_p,
             "F_H_us": f_h,
             "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -88,7 +93,8 @@ def main(argv=None) -> None:
             "pool_gb": pool.nbytes / GIB,
         }
     bandwidth.store_cached(a.cache, key, entry)
-    print(json.dumps({"key": key, **entry, "q_star_per_miss": b_p / b_h}, indent=1))
+    print(json.dumps({"key": key, **entry, "q_star_per_miss": b_p / b_h,
+                      "q_star_per_miss_beside": b_pb / (b_pb + b_hb)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -475,7 +475,7 @@ class FreeTokenRuntime:
             self._resolve_bandwidth()
             self.policy = MissPolicy(
                 "qstar",
-                (self.bandwidth.b_p, self.bandwidth.b_h),
+                self.bandwidth.split_rates(self.config.host_rates),
                 self.bandwidth.fixed_us,
                 self.pool.expert_bytes,
                 admission=self.config.admission != "off",
@@ -485,6 +485,7 @@ class FreeTokenRuntime:
                 return_rule=self.config.return_rule == "on",
                 late_fill=self.config.late_fill != "off",
                 late_all=self.config.late_fill == "all",
+                host_rates=self.config.host_rates,
             )
         else:
             self.policy = MissPolicy("cpu")
@@ -693,15 +694,16 @@ class FreeTokenRuntime:
                      admission: Optional[str] = None,
                      fill_reused: Optional[str] = None,
                      return_rule: Optional[str] = None,
-                     late_fill: Optional[str] = None) -> "ResizeReport":
+                     late_fill: Optional[str] = None,
+                     host_rates: Optional[str] = None) -> "ResizeReport":
         """Grow or shrink the GPU expert cache to ``slots`` slots (or ``gb`` GiB, rounded down
         to whole slots), at a scheduler safe point: no forward may be in flight. Keeps the
         most recently used experts that fit, frees the old slot banks before allocating the
         new ones (GPU memory goes back to the device), re-captures SGLang's CUDA graphs and
         keeps the counters. Paper §2.3, §3.3. With ``miss_policy`` (``fill``, ``qstar``,
         ``cpu``; ``admission`` ``off``/``reuse``/``useful``, ``fill_reused`` and ``return_rule``
-        ``off``/``on``, ``late_fill`` ``off``/``on``/``all``, as the
-        flags), the decode miss policy changes at the same point (no size: the same size);
+        ``off``/``on``, ``late_fill`` ``off``/``on``/``all``, ``host_rates``
+        ``alone``/``beside``, as the flags), the decode miss policy changes at the same point (no size: the same size);
         a rule given alone changes the current q*'s.
 
         Raises:
@@ -715,7 +717,7 @@ class FreeTokenRuntime:
 
         t0 = time.perf_counter()
         policy_asked = (miss_policy, admission, fill_reused, return_rule,
-                        late_fill) != (None,) * 5
+                        late_fill, host_rates) != (None,) * 6
         if self.cache is None or self.backend == "cpu" or not self.cache.num_slots:
             raise ValueError("--freetoken-backend cpu runs every routed expert on the CPU: it "
                              "has no GPU expert cache to resize" +
@@ -752,7 +754,7 @@ class FreeTokenRuntime:
                 )
         # after the size checks: a q* change may measure B_P and B_H (seconds) first
         new_policy = (self._policy_for(miss_policy, admission, fill_reused, return_rule,
-                                       late_fill) if policy_asked else None)
+                                       late_fill, host_rates) if policy_asked else None)
         layout = self._plan_layout(new_slots)
         old_layout, old_slots = old.layout, old.num_slots
         # most recently used first
@@ -832,7 +834,8 @@ class FreeTokenRuntime:
     def _policy_for(self, miss_policy: Optional[str], admission: Optional[str],
                     fill_reused: Optional[str],
                     return_rule: Optional[str] = None,
-                    late_fill: Optional[str] = None) -> MissPolicy:
+                    late_fill: Optional[str] = None,
+                    host_rates: Optional[str] = None) -> MissPolicy:
         """The miss policy a resize asks for (``resize_cache``): the rules default to off
         with a new ``miss_policy``, to the current ones without. A change to ``qstar`` on a
         server without B_P and B_H measures them now (``bandwidth.resolve``: the profile
@@ -855,6 +858,7 @@ class FreeTokenRuntime:
         ret = return_rule == "on" if return_rule is not None else keep and cur.return_rule
         late = late_fill != "off" if late_fill is not None else keep and cur.late_fill
         late_all = late_fill == "all" if late_fill is not None else keep and cur.late_all
+        rates = host_rates or (cur.host_rates if keep else "alone")
         if name != "fill" and self.cpu_branch is None:
             raise ValueError(
                 f"the {name} miss policy runs misses on the CPU, and this server started "
@@ -863,7 +867,7 @@ class FreeTokenRuntime:
         if name != "qstar":
             return MissPolicy(name, admission=adm, fill_reused=reused, return_rule=ret,
                               late_fill=late, late_all=late_all, admit_useful=useful,
-                              fill_reused_valued=valued)
+                              fill_reused_valued=valued, host_rates=rates)
         try:
             bw = self._resolve_bandwidth()
         except Exception as e:  # noqa: BLE001 - the server keeps serving its old policy
@@ -871,9 +875,10 @@ class FreeTokenRuntime:
                 f"measuring B_P and B_H for qstar failed ({type(e).__name__}: {e}); start the "
                 "server with --freetoken-bandwidth B_P,B_H (python -m freetoken_sglang.profile "
                 "measures them)") from e
-        return MissPolicy("qstar", (bw.b_p, bw.b_h), bw.fixed_us, self.pool.expert_bytes,
+        return MissPolicy("qstar", bw.split_rates(rates), bw.fixed_us, self.pool.expert_bytes,
                           admission=adm, fill_reused=reused, return_rule=ret, late_fill=late,
-                          late_all=late_all, admit_useful=useful, fill_reused_valued=valued)
+                          late_all=late_all, admit_useful=useful, fill_reused_valued=valued,
+                          host_rates=rates)
 
     def _set_policy(self, policy: MissPolicy) -> None:
         """Serve decode misses by ``policy`` from the next captured or eager forward (the

@@ -83,6 +83,10 @@ def test_miss_policy_flags():
     assert (both.admission, both.fill_reused) == ("reuse", "on")
     assert ft.pop_config({"enable_freetoken": True, "freetoken_miss_policy": "qstar",
                           "freetoken_admission": "useful"}).admission == "useful"
+    beside = ft.pop_config({"enable_freetoken": True, "freetoken_miss_policy": "qstar",
+                            "freetoken_host_rates": "beside",
+                            "freetoken_bandwidth": "40,80,1,2,35,70"})
+    assert (beside.host_rates, beside.bandwidth) == ("beside", (40.0, 80.0, 1.0, 2.0, 35.0, 70.0))
     # with cpu: kept for a change to qstar while serving (POST /freetoken/cache)
     assert ft.pop_config({"enable_freetoken": True, "freetoken_miss_policy": "cpu",
                           "freetoken_bandwidth": "10,20"}).bandwidth == (10.0, 20.0)
@@ -106,6 +110,11 @@ def test_miss_policy_flags():
         ({"freetoken_miss_policy": "qstar", "freetoken_return_rule": "on",
           "freetoken_bandwidth": "40,80"}, "needs the branches' fixed costs: give"),
         ({"freetoken_late_fill": "on"}, "--freetoken-late-fill is used only by"),
+        ({"freetoken_host_rates": "beside"}, "--freetoken-host-rates is used only by"),
+        ({"freetoken_miss_policy": "qstar", "freetoken_host_rates": "beside",
+          "freetoken_bandwidth": "40,80,1,2"}, "B_P,B_H,F_P,F_H,B_P',B_H', or no"),
+        ({"freetoken_backend": "cpu", "freetoken_host_rates": "beside"},
+         "--freetoken-host-rates has no effect with --freetoken-backend cpu"),
         ({"freetoken_miss_policy": "qstar", "freetoken_late_fill": "on",
           "freetoken_return_rule": "on"}, "removes the later fills .* give one of them"),
         ({"freetoken_miss_policy": "qstar", "freetoken_late_fill": "all",

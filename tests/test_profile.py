@@ -29,6 +29,9 @@ def test_profile_cli_measures_and_caches(tiny_checkpoint, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout[out.stdout.index("{"):])
     assert result["B_P"] > 0 and result["B_H"] > 0 and result["seconds"] < 30
+    assert result["B_P_beside"] > 0 and result["B_H_beside"] > 0
+    assert result["q_star_per_miss_beside"] == pytest.approx(
+        result["B_P_beside"] / (result["B_P_beside"] + result["B_H_beside"]))
     stored = json.loads(cache.read_text())
     assert stored[result["key"]]["B_H"] == result["B_H"]
     assert "threads=1" in result["key"] and "expert=64x64:float32" in result["key"]
@@ -38,7 +41,9 @@ def test_profile_cli_measures_and_caches(tiny_checkpoint, tmp_path):
 def test_flag_parsing():
     assert bandwidth.parse_flag("55, 90.5") == (55.0, 90.5)
     assert bandwidth.parse_flag("55,90,4,0") == (55.0, 90.0, 4.0, 0.0)
-    for bad in ("55", "a,b", "0,4", "1,2,3", "-1,4", "5,9,-1,2", "1,2,3,4,5"):
+    assert bandwidth.parse_flag("55,90,4,0,50,80") == (55.0, 90.0, 4.0, 0.0, 50.0, 80.0)
+    for bad in ("55", "a,b", "0,4", "1,2,3", "-1,4", "5,9,-1,2", "1,2,3,4,5", "1,2,3,4,0,5",
+                "1,2,3,4,5,0", "1,2,3,4,5,6,7"):
         with pytest.raises(ValueError, match="B_P,B_H"):
             bandwidth.parse_flag(bad)
 
@@ -60,11 +65,79 @@ def test_resolve_prefers_flag_then_cache(tmp_path):
                             4, torch.bfloat16, cache)
     assert got.fixed_us == (3.0, 20.0)
     key = bandwidth.machine_key(torch.device("cpu"), 3, "8x4:bfloat16", "avx2")
+    assert got.split_rates("alone") == (10.0, 40.0)
+    with pytest.raises(ValueError, match="B_P,B_H,F_P,F_H,B_P',B_H'"):
+        got.split_rates("beside")  # a flag without the rates beside each other
+    got = bandwidth.resolve((10.0, 40.0, 3.0, 20.0, 8.0, 30.0), Pool(), Executor(),
+                            torch.device("cpu"), 4, torch.bfloat16, cache)
+    assert (got.b_p_beside, got.b_h_beside) == (8.0, 30.0)
+    assert got.split_rates("beside") == (8.0, 38.0)  # (B_P', B_P' + B_H')
     bandwidth.store_cached(cache, key, {"B_P": 50.0, "B_H": 100.0, "F_P_us": 2.0,
-                                        "F_H_us": 9.0})
+                                        "F_H_us": 9.0, "B_P_beside": 45.0,
+                                        "B_H_beside": 90.0})
     got = bandwidth.resolve(None, Pool(), Executor(), torch.device("cpu"), 4, torch.bfloat16, cache)
     assert (got.b_p, got.b_h) == (50.0, 100.0) and got.source == f"cache {cache}"
-    assert got.fixed_us == (2.0, 9.0)
+    assert got.fixed_us == (2.0, 9.0) and got.split_rates("beside") == (45.0, 135.0)
+
+
+def test_rates_beside_each_other_are_measured_at_once(monkeypatch):
+    # measure_beside runs the fills on a side thread during the executor's window: the two
+    # windows overlap (each side sees the other running), and a failed fill side raises
+    import time
+
+    running = {}
+
+    def fill(*a, seconds=1.0, **k):
+        running["fill"] = True
+        time.sleep(0.05)
+        saw = running.get("cpu", False)
+        running["fill_saw_cpu"] = saw
+        return 7.0
+
+    def executor(*a, seconds=1.0, **k):
+        running["cpu"] = True
+        time.sleep(0.05)
+        running["cpu_saw_fill"] = running.get("fill", False)
+        return 70.0
+
+    monkeypatch.setattr(bandwidth, "measure_fill", fill)
+    monkeypatch.setattr(bandwidth, "measure_executor", executor)
+    got = bandwidth.measure_beside({}, {}, torch.device("cpu"), None, 4, torch.float32, 1,
+                                   seconds=0.05)
+    assert got == (7.0, 70.0) and running["fill_saw_cpu"] and running["cpu_saw_fill"]
+
+    def broken(*a, **k):
+        raise RuntimeError("no fills")
+
+    monkeypatch.setattr(bandwidth, "measure_fill", broken)
+    with pytest.raises(RuntimeError, match="no fills"):
+        bandwidth.measure_beside({}, {}, torch.device("cpu"), None, 4, torch.float32, 1)
+
+
+def test_a_cached_profile_without_the_rates_beside_measures_them(monkeypatch, tmp_path):
+    class Pool:
+        specs = {"w13_weight": type("S", (), {"shape": (8, 4), "dtype": torch.bfloat16})()}
+        banks = device_banks = {}
+        expert_bytes = 64
+
+    class Executor:
+        num_threads = 3
+        isa = "avx2"
+
+    cache = str(tmp_path / "bw.json")
+    key = bandwidth.machine_key(torch.device("cpu"), 3, "8x4:bfloat16", "avx2")
+    bandwidth.store_cached(cache, key, {"B_P": 50.0, "B_H": 100.0, "F_P_us": 2.0,
+                                        "F_H_us": 9.0})
+    calls = []
+    monkeypatch.setattr(bandwidth, "measure_beside",
+                        lambda *a, **k: calls.append(a) or (40.0, 80.0))
+    got = bandwidth.resolve(None, Pool(), Executor(), torch.device("cpu"), 4, torch.bfloat16,
+                            cache)
+    assert len(calls) == 1 and got.split_rates("beside") == (40.0, 120.0)
+    assert (got.b_p, got.b_h, got.fixed_us) == (50.0, 100.0, (2.0, 9.0))
+    assert bandwidth.load_cached(cache, key)["B_H_beside"] == 80.0  # stored: not measured again
+    bandwidth.resolve(None, Pool(), Executor(), torch.device("cpu"), 4, torch.bfloat16, cache)
+    assert len(calls) == 1
 
 
 def test_intercept_of_two_sizes():
@@ -179,3 +252,29 @@ def test_lone_miss_rule_from_measured_costs():
     assert MissPolicy("qstar", (50.0, 150.0)).cpu_count(2) == 1
     with pytest.raises(ValueError, match="miss policy must be one of"):
         MissPolicy("lru")
+
+
+def test_host_rates_beside_balance_the_measured_rates():
+    # B_P' = 30, B_H' = 90 GB/s beside each other: q*/m = 30 / 120 = 1/4, and Eq. 3's CPU
+    # rate beside the fills is B_H' (the lone-miss rule's per-expert time); the valued re-miss
+    # rule's B_H/B_P - 1 becomes B_H'/B_P' = 3
+    S = 9_000_000
+    bw = bandwidth.Bandwidth(40.0, 100.0, "flag", 10.0, 20.0, 30.0, 90.0)
+    beside = MissPolicy("qstar", bw.split_rates("beside"), bw.fixed_us, S, admission=True,
+                        fill_reused=True, fill_reused_valued=True, host_rates="beside")
+    split = beside.decode_split
+    assert split.fill_ratio == pytest.approx(0.25)
+    assert split.cpu_us == pytest.approx(S / 90e3) and split.fill_us == pytest.approx(S / 30e3)
+    assert beside.label == "qstar+admission+fill_reused_valued+beside"
+    assert "B_P' 30.0 GB/s, B_H' 90.0 GB/s, q*/m = B_P'/(B_P' + B_H') = 0.250" in (
+        beside.describe())
+    assert "reach B_H'/B_P' = 3.00" in beside.describe()
+    # where the measured rates are what Eq. 3 assumes (B_H' = B_H - B_P, B_P' = B_P), the
+    # split is the paper's
+    paper = bandwidth.Bandwidth(40.0, 100.0, "flag", 10.0, 20.0, 40.0, 60.0)
+    assert (MissPolicy("qstar", paper.split_rates("beside"), paper.fixed_us, S).decode_split
+            == MissPolicy("qstar", paper.split_rates("alone"), paper.fixed_us, S).decode_split)
+    with pytest.raises(ValueError, match="read by the qstar split only"):
+        MissPolicy("fill", host_rates="beside")
+    with pytest.raises(ValueError, match="alone or beside"):
+        MissPolicy("qstar", (1.0, 2.0), host_rates="both")

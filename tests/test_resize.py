@@ -371,7 +371,8 @@ def _generate(url):
 
 def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     """A server started with qstar serves cpu, qstar with the admission rule (and the re-miss
-    rule, then its valued form), the return rule, the late fill and fill after
+    rule, then its valued form, then with the host rates beside each other), the return rule,
+    the late fill and fill after
     ``POST /freetoken/cache`` changes them, each with the tokens qstar gave (fp32: every
     policy is stock's, tests/test_e2e_families.py) and the counters each policy leaves.
     B_P / B_H = 0.1: q* rounds up to 4 misses to no fill; the late fill (all) fills every CPU
@@ -381,7 +382,7 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     path = tiny_checkpoint("qwen3_moe", **SHAPE)
     ft = start_server(path, ["--enable-freetoken", "--freetoken-cache-slots", "16",
                              "--freetoken-miss-policy", "qstar", "--freetoken-bandwidth",
-                             "5,50,0,0"], log_path=str(tmp_path / "ft.log"))
+                             "5,50,0,0,5,20"], log_path=str(tmp_path / "ft.log"))
     post = lambda body: requests.post(ft.url + "/freetoken/cache", json=body, timeout=300)
     try:
         want, s0 = _generate(ft.url)
@@ -395,8 +396,11 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
         got_useful, s2u = _generate(ft.url)
         to_valued = post({"fill_reused": "valued"})  # the useful admission kept
         got_valued, s2v = _generate(ft.url)
+        to_beside = post({"host_rates": "beside"})  # q*/m = 5 / (5 + 20), the rules kept
+        got_beside, s2h = _generate(ft.url)
         with_admit = post({"return_rule": "on"})  # the admission rule kept: refused
-        to_return = post({"admission": "off", "fill_reused": "off", "return_rule": "on"})
+        to_return = post({"admission": "off", "fill_reused": "off", "return_rule": "on",
+                          "host_rates": "alone"})
         got_return, s2r = _generate(ft.url)
         with_return = post({"late_fill": "on"})  # the return rule kept: refused
         to_late = post({"return_rule": "off", "late_fill": "all"})
@@ -428,7 +432,12 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     assert to_valued.json()["miss_policy"] == "qstar+admission_useful+fill_reused_valued"
     assert got_valued == want and (s2v["admission"], s2v["fill_reused"]) == ("useful", "valued")
     assert d(s2u, s2v, "reads") > 0
-    s2 = s2v
+    assert to_beside.status_code == 200, to_beside.text
+    assert to_beside.json()["miss_policy"] == "qstar+admission_useful+fill_reused_valued+beside"
+    assert got_beside == want and (s2h["fill_reused"], s2h["host_rates"]) == ("valued", "beside")
+    assert (s2v["host_rates"], s2h["bandwidth"]["B_H_beside"]) == ("alone", 20.0)
+    assert d(s2v, s2h, "reads") > 0
+    s2 = s2h
     assert to_return.status_code == 200, to_return.text
     assert with_admit.status_code == 400 and "give one of them" in with_admit.json()["error"]
     assert to_return.json()["miss_policy"] == "qstar+return_rule"
@@ -454,8 +463,11 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
             "qstar+admission+fill_reused): ") in log
     assert ("decode misses now qstar+admission_useful+fill_reused_valued (was "
             "qstar+admission_useful+fill_reused): ") in log
-    assert ("decode misses now qstar+return_rule (was "
+    assert ("decode misses now qstar+admission_useful+fill_reused_valued+beside (was "
             "qstar+admission_useful+fill_reused_valued): " in log)
+    assert "q*/m = B_P'/(B_P' + B_H') = 0.200" in log
+    assert ("decode misses now qstar+return_rule (was "
+            "qstar+admission_useful+fill_reused_valued+beside): " in log)
     assert "decode misses now qstar+late_fill_all (was qstar+return_rule): " in log
     assert "decode misses now fill (was qstar+late_fill_all): " in log
 

@@ -92,6 +92,7 @@ def stats_document(rt) -> Dict[str, object]:
     out["fill_reused"] = ("off" if pol is None or not pol.fill_reused
                           else "valued" if pol.fill_reused_valued else "on")
     out["return_rule"] = "on" if pol is not None and pol.return_rule else "off"
+    out["host_rates"] = pol.host_rates if pol is not None else "alone"
     out["late_fill"] = ("off" if pol is None or not pol.late_fill
                         else "all" if pol.late_all else "on")
     if rt.choice is not None:
@@ -120,6 +121,8 @@ def stats_document(rt) -> Dict[str, object]:
             "source": rt.bandwidth.source,
             "F_P_us": rt.bandwidth.f_p_us,
             "F_H_us": rt.bandwidth.f_h_us,
+            "B_P_beside": rt.bandwidth.b_p_beside,
+            "B_H_beside": rt.bandwidth.b_h_beside,
         }
     if rt.counters is not None:
         out.update(rt.counters.snapshot())
