@@ -17,6 +17,10 @@ Each layer call then costs, in microseconds,
     CPU branch  = F_H + the c CPU experts' S bytes read at B_H - B_P while the fills run
                   and at B_H after them                              (0 if c = 0)
 
+or, where ``--bandwidth`` or ``--timing`` gives the rates beside each other too (six numbers,
+``bandwidth.measure_beside``), the fills at B_P' and the CPU at B_H' while both run. A policy
+label ending in ``+beside`` decides with those rates (``--freetoken-host-rates beside``).
+
 with the paper's Eq. 1-3 and the constants measured on the H200 (``--bandwidth``; defaults:
 Session 17's B_P 43.8, B_H 108.9 GB/s, F_P 9.9, F_H 19.9 us; stock's 252.33 / 449.50 tok/s
 at bs 1 / 4). It ignores launch gaps, the GPU's MoE time over more experts, and the CPU
@@ -70,13 +74,15 @@ def expert_bytes(cfg: dict) -> int:
 
 def layer_us(q: int, c: int, allhit_us: float, s_bytes: int, bw) -> float:
     """One layer call's modelled time (the module docstring's formula)."""
-    b_p, b_h, f_p, f_h = bw
-    fill = f_p + q * s_bytes / (b_p * 1e3) if q else 0.0
+    b_p, b_h, f_p, f_h = bw[:4]
+    # the rates while both branches run: measured (six numbers) or Eq. 3's
+    b_pb, b_hb = bw[4:6] if len(bw) == 6 else (b_p, b_h - b_p)
+    fill = f_p + q * s_bytes / ((b_pb if c else b_p) * 1e3) if q else 0.0
     cpu = 0.0
     if c:
         need = c * s_bytes / 1e3  # bytes / 1e3 = GB/s * us
-        beside = fill * max(b_h - b_p, 0.0) if q else 0.0  # readable while the fills run
-        cpu = f_h + (need / (b_h - b_p) if need <= beside else fill + (need - beside) / b_h)
+        beside = fill * max(b_hb, 0.0) if q else 0.0  # readable while the fills run
+        cpu = f_h + (need / b_hb if need <= beside else fill + (need - beside) / b_h)
     return allhit_us + max(fill, cpu)
 
 
@@ -173,8 +179,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bs", default="1,4")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--bandwidth", default="43.8,108.9,9.9,19.9",
-                    help="B_P,B_H,F_P,F_H: the server's measured profile, which its q* split "
-                    "reads (the decisions), and the modelled times unless --timing")
+                    help="B_P,B_H,F_P,F_H[,B_P',B_H']: the server's measured profile, which "
+                    "its q* split reads (the decisions), and the modelled times unless --timing")
     ap.add_argument("--timing", default=None,
                     help="B_P,B_H,F_P,F_H for the modelled times only (e.g. constants fitted "
                     "to a measured matrix)")
@@ -213,10 +219,14 @@ def main(argv=None) -> int:
     # As bench_decode.py --cache-ratios runs a server: all resident, then shrunk to each ratio
     # in turn (decreasing), bs 1 then bs 4 at each, the cache carried over.
     for label in a.policies.split(","):
-        name, admit, remiss, ret, useful, *valued = POLICIES[label]
-        pol = MissPolicy(name, bw[:2], bw[2:], s_bytes, admit, remiss, ret,
-                         admit_useful=useful, fill_reused_valued=bool(valued and valued[0])
-                         ) if name == "qstar" else MissPolicy(name)
+        rates = "beside" if label.endswith("+beside") else "alone"
+        name, admit, remiss, ret, useful, *valued = POLICIES[label.removesuffix("+beside")]
+        if rates == "beside" and len(bw) != 6:
+            raise SystemExit(f"{label}: give --bandwidth B_P,B_H,F_P,F_H,B_P',B_H'")
+        split_bw = (bw[4], bw[4] + bw[5]) if rates == "beside" else bw[:2]
+        pol = MissPolicy(name, split_bw, bw[2:4], s_bytes, admit, remiss, ret,
+                         admit_useful=useful, fill_reused_valued=bool(valued and valued[0]),
+                         host_rates=rates) if name == "qstar" else MissPolicy(name)
         state = ResidencyState(L * E, L * E, "cpu")
         state.make_all_resident()
         for ratio in (float(r) for r in a.ratios.split(",")):
