@@ -469,7 +469,8 @@ def main(argv=None):
     ap.add_argument("--then", action="append", default=[], metavar="LABEL=POLICY[,FLAG,VALUE]",
                     help="with --cache-ratios: after the last FreeToken system's ratios, change "
                          "its miss policy (POLICY fill, qstar or cpu; FLAG --freetoken-admission, "
-                         "--freetoken-fill-reused or --freetoken-return-rule) at its starting "
+                         "--freetoken-fill-reused, --freetoken-return-rule, --freetoken-late-fill "
+                         "or --freetoken-host-rates) at its starting "
                          "size and measure the ratios again, as the system LABEL; "
                          "repeatable. That server must start with qstar or cpu")
     ap.add_argument("--out-dir", default=None, help="default: a new ft-bench-* temporary dir")

@@ -18,7 +18,8 @@ Each layer call then costs, in microseconds,
                   and at B_H after them                              (0 if c = 0)
 
 or, where ``--bandwidth`` or ``--timing`` gives the rates beside each other too (six numbers,
-``bandwidth.measure_beside``), the fills at B_P' and the CPU at B_H' while both run. A policy
+``bandwidth.measure_beside``), the fills at B_P' throughout a call with CPU work (B_P without)
+and the CPU at B_H' while the fills run, B_H after. A policy
 label ending in ``+beside`` decides with those rates (``--freetoken-host-rates beside``).
 
 with the paper's Eq. 1-3 and the constants measured on the H200 (``--bandwidth``; defaults:
@@ -182,8 +183,8 @@ def main(argv=None) -> int:
                     help="B_P,B_H,F_P,F_H[,B_P',B_H']: the server's measured profile, which "
                     "its q* split reads (the decisions), and the modelled times unless --timing")
     ap.add_argument("--timing", default=None,
-                    help="B_P,B_H,F_P,F_H for the modelled times only (e.g. constants fitted "
-                    "to a measured matrix)")
+                    help="B_P,B_H,F_P,F_H[,B_P',B_H'] for the modelled times only (e.g. "
+                    "constants fitted to a measured matrix)")
     ap.add_argument("--sequence", choices=("bench", "cycle"), default="bench",
                     help="bench: bench_decode.py's requests per cell (run_bench_cell; both "
                     "batch sizes, --bs and the step counts ignored); cycle: --warm-steps then "
@@ -210,6 +211,9 @@ def main(argv=None) -> int:
     lmap = layer_map(trace.num_layers, L)
     bw = tuple(float(x) for x in a.bandwidth.split(","))
     timing = tuple(float(x) for x in a.timing.split(",")) if a.timing else bw
+    for name, vals in (("--bandwidth", bw), ("--timing", timing)):
+        if len(vals) not in (4, 6):
+            ap.error(f"{name}: give B_P,B_H,F_P,F_H or B_P,B_H,F_P,F_H,B_P',B_H'")
     stock = dict(zip((1, 4), (float(x) for x in a.stock_tok_s.split(","))))
     s_bytes = a.expert_bytes or expert_bytes(cfg)
     print(f"MODEL, not a measurement: {a.trace} ({ids.shape[0]} decode rows), shape {a.shape}, "
@@ -221,8 +225,9 @@ def main(argv=None) -> int:
     for label in a.policies.split(","):
         rates = "beside" if label.endswith("+beside") else "alone"
         name, admit, remiss, ret, useful, *valued = POLICIES[label.removesuffix("+beside")]
-        if rates == "beside" and len(bw) != 6:
-            raise SystemExit(f"{label}: give --bandwidth B_P,B_H,F_P,F_H,B_P',B_H'")
+        if rates == "beside" and (len(bw) != 6 or name != "qstar"):
+            ap.error(f"{label}: +beside needs a qstar policy and --bandwidth "
+                     "B_P,B_H,F_P,F_H,B_P',B_H'")
         split_bw = (bw[4], bw[4] + bw[5]) if rates == "beside" else bw[:2]
         pol = MissPolicy(name, split_bw, bw[2:4], s_bytes, admit, remiss, ret,
                          admit_useful=useful, fill_reused_valued=bool(valued and valued[0]),

@@ -149,9 +149,11 @@ def measure_fill(
     device: torch.device,
     batch: int = 8,
     seconds: float = 1.0,
+    start: Optional[threading.Barrier] = None,
 ) -> float:
     """B_P in GB/s: batches of ``batch`` random experts copied from the pool into scratch
-    slots with the cache's own fill path (UVA reads of the pinned pool on CUDA)."""
+    slots with the cache's own fill path (UVA reads of the pinned pool on CUDA); with
+    ``start``, the timed window opens when every party has reached it (after the warm-up)."""
     from freetoken_sglang.cache.fills import Filler
     from freetoken_sglang.cache.residency import FillPlan
 
@@ -177,6 +179,8 @@ def measure_fill(
     filler.run(p)  # warm-up (kernel compile)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
     sync(device)
+    if start is not None:
+        start.wait()
     total, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         p, n = plan()
@@ -187,10 +191,12 @@ def measure_fill(
 
 
 def measure_executor(executor, hidden: int, dtype: torch.dtype, expert_bytes: int,
-                     experts_per_call: int = 4, seconds: float = 1.0) -> float:
+                     experts_per_call: int = 4, seconds: float = 1.0,
+                     start: Optional[threading.Barrier] = None) -> float:
     """B_H in GB/s: decode-like calls (one token, ``experts_per_call`` random experts) of the
     CPU executor over its banks; bytes of the distinct experts read per second
-    (``expert_bytes``: one expert's bytes in the pool, scales included)."""
+    (``expert_bytes``: one expert's bytes in the pool, scales included); ``start`` as
+    ``measure_fill``'s."""
     rng = random.Random(1)
     n_experts = executor.num_experts
     x = torch.randn(1, hidden).to(dtype)
@@ -199,6 +205,8 @@ def measure_executor(executor, hidden: int, dtype: torch.dtype, expert_bytes: in
     rows = torch.zeros(k, dtype=torch.int32)
     weights = torch.full((k,), 1.0 / k, dtype=torch.float32)
     executor.run(x, rows, torch.arange(k, dtype=torch.int32), weights, out)  # warm-up
+    if start is not None:
+        start.wait()
     total, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         ids = torch.tensor(rng.sample(range(n_experts), k), dtype=torch.int32)
@@ -211,28 +219,42 @@ def measure_beside(pool_banks: Dict[str, torch.Tensor],
                    device_pool_banks: Dict[str, torch.Tensor], device: torch.device, executor,
                    hidden: int, dtype: torch.dtype, expert_bytes: int,
                    seconds: float = 1.0) -> Tuple[float, float]:
-    """``(B_P', B_H')`` in GB/s: ``measure_fill`` on a side thread while ``measure_executor``
-    runs, both for ``seconds`` from the same start, as a decode layer call's fill and CPU
-    branches share the host's memory (the executor's calls release the GIL). Paper §3.2
-    Eq. 3 assumes ``B_H' = B_H - B_P``; this measures it.
+    """``(B_P', B_H')`` in GB/s: ``measure_fill`` on a side thread (on ``device``) while
+    ``measure_executor`` runs, both windows of ``seconds`` opened together after each side's
+    warm-up, as a decode layer call's fill and CPU branches share the host's memory (the
+    executor's calls release the GIL). Paper §3.2 Eq. 3 assumes ``B_H' = B_H - B_P``; this
+    measures it. The side thread's Python loop takes a core from the executor's threads, so
+    B_H' errs low (towards the paper's split).
 
     Raises:
-        the fill side's exception, if it failed.
+        the exception of the side that failed first.
     """
     got: Dict[str, object] = {}
+    start = threading.Barrier(2, timeout=120)
 
     def fills():
         try:
-            got["b_p"] = measure_fill(pool_banks, device_pool_banks, device, seconds=seconds)
+            if device.type == "cuda":  # a new thread's current device is 0
+                torch.cuda.set_device(device)
+            got["b_p"] = measure_fill(pool_banks, device_pool_banks, device, seconds=seconds,
+                                      start=start)
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
             got["error"] = e
+            start.abort()
 
     side = threading.Thread(target=fills, name="freetoken-bandwidth-beside", daemon=True)
     side.start()
     try:
-        b_h = measure_executor(executor, hidden, dtype, expert_bytes, seconds=seconds)
-    finally:
+        b_h = measure_executor(executor, hidden, dtype, expert_bytes, seconds=seconds,
+                               start=start)
+    except BaseException:
+        start.abort()  # the other side stops waiting
         side.join()
+        fill_error = got.get("error")
+        if fill_error is not None and not isinstance(fill_error, threading.BrokenBarrierError):
+            raise fill_error  # the fill side failed first
+        raise
+    side.join()
     if "error" in got:
         raise got["error"]
     return float(got["b_p"]), b_h
@@ -400,50 +422,56 @@ def resolve(
     hidden: int,
     act_dtype: torch.dtype,
     cache_path: str = DEFAULT_CACHE,
+    beside: bool = False,
 ) -> Bandwidth:
     """The bandwidths (and fixed costs) to serve with: the flag, else the cached profile of
     this machine and expert shape, else a measurement now (a few seconds; stored in
-    ``cache_path``; a cached profile without the rates beside each other gets them measured
-    now, about a second). A flag without fixed costs leaves them unknown (no lone-miss rule),
-    one without the rates beside each other leaves those unknown."""
+    ``cache_path``). With ``beside`` (``--freetoken-host-rates beside``) the profile also
+    holds B_P' and B_H' (``measure_beside``, about a second more; a cached profile without
+    them gets them now); without, they are given where cached, else left unknown. A flag
+    without fixed costs leaves them unknown (no lone-miss rule), one without the rates beside
+    each other leaves those unknown (``Bandwidth.split_rates`` names the fix)."""
     if flag is not None:
         fixed = tuple(flag[2:4]) if len(flag) >= 4 else (None, None)
-        beside = tuple(flag[4:6]) if len(flag) == 6 else (None, None)
-        return Bandwidth(flag[0], flag[1], "flag --freetoken-bandwidth", *fixed, *beside)
+        rates = tuple(flag[4:6]) if len(flag) == 6 else (None, None)
+        return Bandwidth(flag[0], flag[1], "flag --freetoken-bandwidth", *fixed, *rates)
     key = machine_key(device, executor.num_threads, expert_shape(pool.specs["w13_weight"]),
                       executor.isa)
     cached = load_cached(cache_path, key)
+
+    def measured_beside() -> Dict[str, object]:
+        b_pb, b_hb = measure_beside(pool.banks, pool.device_banks, device, executor, hidden,
+                                    act_dtype, pool.expert_bytes)
+        return {"B_P_beside": b_pb, "B_H_beside": b_hb,
+                "beside_measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+
     if cached and "F_P_us" in cached and "F_H_us" in cached:
-        if "B_P_beside" not in cached or "B_H_beside" not in cached:  # a profile from before
-            b_pb, b_hb = measure_beside(pool.banks, pool.device_banks, device, executor,
-                                        hidden, act_dtype, pool.expert_bytes)
-            cached = {**cached, "B_P_beside": b_pb, "B_H_beside": b_hb}
+        if beside and ("B_P_beside" not in cached or "B_H_beside" not in cached):
+            cached = {**cached, **measured_beside()}
             store_cached(cache_path, key, cached)
         return Bandwidth(cached["B_P"], cached["B_H"], f"cache {cache_path}",
-                         cached["F_P_us"], cached["F_H_us"], cached["B_P_beside"],
-                         cached["B_H_beside"])
+                         cached["F_P_us"], cached["F_H_us"], cached.get("B_P_beside"),
+                         cached.get("B_H_beside"))
     logger.info(
-        "FreeToken: measuring B_P (pinned fills), B_H (CPU executor, %d threads), both beside "
-        "each other, and their fixed costs on this "
-        "machine; this runs once per machine and expert shape (a few seconds) ...",
-        executor.num_threads,
+        "FreeToken: measuring B_P (pinned fills), B_H (CPU executor, %d threads)%s and their "
+        "fixed costs on this machine; this runs once per machine and expert shape (a few "
+        "seconds) ...", executor.num_threads, ", both beside each other," if beside else "",
     )
     t0 = time.perf_counter()
     b_p = measure_fill(pool.banks, pool.device_banks, device)
     b_h = measure_executor(executor, hidden, act_dtype, pool.expert_bytes)
-    b_pb, b_hb = measure_beside(pool.banks, pool.device_banks, device, executor, hidden,
-                                act_dtype, pool.expert_bytes)
+    rates = measured_beside() if beside else {}
     f_p = measure_fill_fixed(pool.banks, pool.device_banks, device)
     f_h = measure_executor_fixed(executor, hidden, act_dtype)
     entry = {
         "B_P": b_p,
         "B_H": b_h,
-        "B_P_beside": b_pb,
-        "B_H_beside": b_hb,
+        **rates,
         "F_P_us": f_p,
         "F_H_us": f_h,
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "seconds": time.perf_counter() - t0,
     }
     store_cached(cache_path, key, {**(cached or {}), **entry})
-    return Bandwidth(b_p, b_h, "measured", f_p, f_h, b_pb, b_hb)
+    return Bandwidth(b_p, b_h, "measured", f_p, f_h, rates.get("B_P_beside"),
+                     rates.get("B_H_beside"))

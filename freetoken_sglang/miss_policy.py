@@ -96,7 +96,9 @@ share it better (Session 25: 53.7 / 120.5 GB/s alone, 49.3 + 105.6 together), so
 split fills more than it balances. ``beside`` reads both rates measured while the other runs,
 B_P' and B_H' (``bandwidth.measure_beside``), as ``(B_P', B_P' + B_H')``: Eq. 3's CPU rate is
 then B_H', Eq. 4 balances ``q / (m - q) = B_P' / B_H'``, and the lone-miss and valued re-miss
-rules weigh the same two. ``alone`` (default) is the paper's.
+rules weigh the same two (the lone-miss rule's "fill all m" too, at B_P', though no CPU work
+runs then: slightly long, so it leans to keeping the CPU experts). ``alone`` (default) is the
+paper's.
 
 Layer calls over more than ``SPLIT_MAX_TOKENS`` rows that reach the LRU (prefill chunks that
 do not stream, ``execute/choice.py``) fill every miss in all
@@ -169,8 +171,8 @@ class MissPolicy:
         if self.host_rates not in ("alone", "beside"):
             raise ValueError(f"host rates must be alone or beside, got {self.host_rates!r}")
         if self.host_rates == "beside" and self.name != "qstar":
-            raise ValueError("the host rates beside each other are read by the qstar split "
-                             "only: give host_rates alone")
+            raise ValueError("the host rates beside each other (--freetoken-host-rates "
+                             "beside) need the qstar miss policy")
         if self.name == "qstar":
             if not self.bandwidth or min(self.bandwidth) <= 0:
                 raise ValueError("the qstar miss policy needs positive B_P and B_H")

@@ -472,7 +472,7 @@ class FreeTokenRuntime:
             mode="host-node" if self.backend == "cpu" else self.config.cpu_branch,
         )
         if name == "qstar":
-            self._resolve_bandwidth()
+            self._resolve_bandwidth(beside=self.config.host_rates == "beside")
             self.policy = MissPolicy(
                 "qstar",
                 self.bandwidth.split_rates(self.config.host_rates),
@@ -490,11 +490,15 @@ class FreeTokenRuntime:
         else:
             self.policy = MissPolicy("cpu")
 
-    def _resolve_bandwidth(self):
-        """B_P and B_H (and the fixed costs): the flag, the cached profile or a measurement."""
+    def _resolve_bandwidth(self, beside: bool = False):
+        """B_P and B_H (and the fixed costs): the flag, the cached profile or a measurement;
+        with ``beside``, B_P' and B_H' too where the flag does not leave them out
+        (``bandwidth.resolve``)."""
         from freetoken_sglang import bandwidth
 
-        if self.bandwidth is None:
+        lacks = (self.bandwidth is not None and beside and self.bandwidth.b_p_beside is None
+                 and self.config.bandwidth is None)
+        if self.bandwidth is None or lacks:
             self.bandwidth = bandwidth.resolve(
                 self.config.bandwidth,
                 self.pool,
@@ -502,6 +506,7 @@ class FreeTokenRuntime:
                 self.device,
                 self.pool.specs["w2_weight"].shape[0],
                 self.act_dtype,
+                beside=beside,
             )
         return self.bandwidth
 
@@ -844,7 +849,9 @@ class FreeTokenRuntime:
         Raises:
             ValueError: a policy that runs misses on the CPU on a server started without the
                 CPU branch (``fill``), rules without ``qstar`` or rules that exclude each
-                other (``MissPolicy``), or a failed bandwidth measurement.
+                other (``MissPolicy``), a failed bandwidth measurement, or the host rates
+                beside each other where ``--freetoken-bandwidth`` leaves them out
+                (``Bandwidth.split_rates``).
         """
         cur = self.policy
         name = miss_policy or cur.name
@@ -869,7 +876,7 @@ class FreeTokenRuntime:
                               late_fill=late, late_all=late_all, admit_useful=useful,
                               fill_reused_valued=valued, host_rates=rates)
         try:
-            bw = self._resolve_bandwidth()
+            bw = self._resolve_bandwidth(beside=rates == "beside")
         except Exception as e:  # noqa: BLE001 - the server keeps serving its old policy
             raise ValueError(
                 f"measuring B_P and B_H for qstar failed ({type(e).__name__}: {e}); start the "

@@ -37,7 +37,8 @@ async def freetoken_stats():
 async def freetoken_cache(request: Request):
     """``POST /freetoken/cache`` with ``{"gb": G}`` or ``{"slots": N}``: resize the GPU
     expert cache at the scheduler's next safe point; with ``"miss_policy"`` (``"admission"``,
-    ``"fill_reused"``, ``"return_rule"``, ``"late_fill"``), change the decode miss policy there too
+    ``"fill_reused"``, ``"return_rule"``, ``"late_fill"``, ``"host_rates"``), change the decode
+    miss policy there too
     (``control.parse_body``).
     200 with the ``ResizeReport`` fields; 400 with ``error`` for a bad body, or a size or
     policy the scheduler refused (404: FreeToken is not serving). SGLang's admin auth level (``--admin-api-key``), as ``/set_internal_state``."""

@@ -46,6 +46,8 @@ def test_cli_flags_parse_into_config():
         ["--freetoken-fill-reused", "yes"],
         ["--freetoken-return-rule", "auto"],
         ["--freetoken-late-fill", "1"],
+        ["--freetoken-host-rates", "both"],
+        ["--freetoken-bandwidth", "55,90,1,2,0,3"],
         ["--freetoken-cpu-branch", "event"],
         ["--freetoken-cpu-threads", "0"],
         ["--freetoken-prefill-cpu", "1.5"],

@@ -455,7 +455,7 @@ def test_freetoken_matches_stock_sglang(tiny_checkpoint, family, tmp_path):
                 assert answer["old_slots"] == answer["new_slots"] == stats["cache"]["slots"]
                 assert f"decode misses now {LABELS[variant]} (was {was}): " in log, label
                 was = LABELS[variant]
-            for key in ("miss_policy", "admission", "fill_reused", "late_fill"):
+            for key in ("miss_policy", "admission", "fill_reused", "late_fill", "host_rates"):
                 assert before[key] == stats[key], (label, key)  # the same before and after
             # the radix cache held what a fresh server's does (the flush took): every variant
             # prefilled and streamed its prompts again

@@ -81,40 +81,45 @@ def test_resolve_prefers_flag_then_cache(tmp_path):
 
 
 def test_rates_beside_each_other_are_measured_at_once(monkeypatch):
-    # measure_beside runs the fills on a side thread during the executor's window: the two
-    # windows overlap (each side sees the other running), and a failed fill side raises
+    # measure_beside opens both timed windows together after each side's warm-up: a fill
+    # side with a slow warm-up (a kernel compile) does not leave the executor's window alone
     import time
 
-    running = {}
+    t = {}
 
-    def fill(*a, seconds=1.0, **k):
-        running["fill"] = True
-        time.sleep(0.05)
-        saw = running.get("cpu", False)
-        running["fill_saw_cpu"] = saw
+    def fill(*a, seconds=1.0, start=None, **k):
+        time.sleep(0.2)  # warm-up
+        start.wait()
+        t["fill"] = time.perf_counter()
         return 7.0
 
-    def executor(*a, seconds=1.0, **k):
-        running["cpu"] = True
-        time.sleep(0.05)
-        running["cpu_saw_fill"] = running.get("fill", False)
+    def executor(*a, seconds=1.0, start=None, **k):
+        start.wait()
+        t["cpu"] = time.perf_counter()
         return 70.0
 
     monkeypatch.setattr(bandwidth, "measure_fill", fill)
     monkeypatch.setattr(bandwidth, "measure_executor", executor)
     got = bandwidth.measure_beside({}, {}, torch.device("cpu"), None, 4, torch.float32, 1,
                                    seconds=0.05)
-    assert got == (7.0, 70.0) and running["fill_saw_cpu"] and running["cpu_saw_fill"]
+    assert got == (7.0, 70.0) and abs(t["fill"] - t["cpu"]) < 0.1
 
+    # a failed side raises its own error on the caller's thread, and the other side stops
     def broken(*a, **k):
         raise RuntimeError("no fills")
 
     monkeypatch.setattr(bandwidth, "measure_fill", broken)
+    t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="no fills"):
         bandwidth.measure_beside({}, {}, torch.device("cpu"), None, 4, torch.float32, 1)
+    monkeypatch.setattr(bandwidth, "measure_fill", fill)
+    monkeypatch.setattr(bandwidth, "measure_executor", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        bandwidth.measure_beside({}, {}, torch.device("cpu"), None, 4, torch.float32, 1)
+    assert time.perf_counter() - t0 < 10
 
 
-def test_a_cached_profile_without_the_rates_beside_measures_them(monkeypatch, tmp_path):
+def test_a_cached_profile_gets_the_rates_beside_when_asked(monkeypatch, tmp_path):
     class Pool:
         specs = {"w13_weight": type("S", (), {"shape": (8, 4), "dtype": torch.bfloat16})()}
         banks = device_banks = {}
@@ -132,12 +137,19 @@ def test_a_cached_profile_without_the_rates_beside_measures_them(monkeypatch, tm
     monkeypatch.setattr(bandwidth, "measure_beside",
                         lambda *a, **k: calls.append(a) or (40.0, 80.0))
     got = bandwidth.resolve(None, Pool(), Executor(), torch.device("cpu"), 4, torch.bfloat16,
-                            cache)
+                            cache)  # the paper's rates: nothing measured
+    assert not calls and got.b_p_beside is None
+    got = bandwidth.resolve(None, Pool(), Executor(), torch.device("cpu"), 4, torch.bfloat16,
+                            cache, beside=True)
     assert len(calls) == 1 and got.split_rates("beside") == (40.0, 120.0)
     assert (got.b_p, got.b_h, got.fixed_us) == (50.0, 100.0, (2.0, 9.0))
-    assert bandwidth.load_cached(cache, key)["B_H_beside"] == 80.0  # stored: not measured again
-    bandwidth.resolve(None, Pool(), Executor(), torch.device("cpu"), 4, torch.bfloat16, cache)
-    assert len(calls) == 1
+    stored = bandwidth.load_cached(cache, key)
+    assert stored["B_H_beside"] == 80.0 and stored["F_H_us"] == 9.0 and stored[
+        "beside_measured_at"]
+    for need in (False, True):  # stored: not measured again
+        got = bandwidth.resolve(None, Pool(), Executor(), torch.device("cpu"), 4,
+                                torch.bfloat16, cache, beside=need)
+        assert len(calls) == 1 and (got.b_p_beside, got.b_h_beside) == (40.0, 80.0)
 
 
 def test_intercept_of_two_sizes():
@@ -274,7 +286,7 @@ def test_host_rates_beside_balance_the_measured_rates():
     paper = bandwidth.Bandwidth(40.0, 100.0, "flag", 10.0, 20.0, 40.0, 60.0)
     assert (MissPolicy("qstar", paper.split_rates("beside"), paper.fixed_us, S).decode_split
             == MissPolicy("qstar", paper.split_rates("alone"), paper.fixed_us, S).decode_split)
-    with pytest.raises(ValueError, match="read by the qstar split only"):
-        MissPolicy("fill", host_rates="beside")
+    with pytest.raises(ValueError, match="need the qstar miss policy"):
+        MissPolicy("cpu", host_rates="beside")
     with pytest.raises(ValueError, match="alone or beside"):
         MissPolicy("qstar", (1.0, 2.0), host_rates="both")

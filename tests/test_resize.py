@@ -399,8 +399,8 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
         to_beside = post({"host_rates": "beside"})  # q*/m = 5 / (5 + 20), the rules kept
         got_beside, s2h = _generate(ft.url)
         with_admit = post({"return_rule": "on"})  # the admission rule kept: refused
-        to_return = post({"admission": "off", "fill_reused": "off", "return_rule": "on",
-                          "host_rates": "alone"})
+        # a new policy resets the rules not given, the host rates too
+        to_return = post({"miss_policy": "qstar", "return_rule": "on"})
         got_return, s2r = _generate(ft.url)
         with_return = post({"late_fill": "on"})  # the return rule kept: refused
         to_late = post({"return_rule": "off", "late_fill": "all"})
@@ -436,12 +436,14 @@ def test_miss_policy_changes_while_serving(tiny_checkpoint, tmp_path):
     assert to_beside.json()["miss_policy"] == "qstar+admission_useful+fill_reused_valued+beside"
     assert got_beside == want and (s2h["fill_reused"], s2h["host_rates"]) == ("valued", "beside")
     assert (s2v["host_rates"], s2h["bandwidth"]["B_H_beside"]) == ("alone", 20.0)
+    assert (s2v["bandwidth"]["split_ratio"], s2h["bandwidth"]["split_ratio"]) == (0.1, 0.2)
     assert d(s2v, s2h, "reads") > 0
     s2 = s2h
     assert to_return.status_code == 200, to_return.text
     assert with_admit.status_code == 400 and "give one of them" in with_admit.json()["error"]
     assert to_return.json()["miss_policy"] == "qstar+return_rule"
     assert got_return == want and (s2r["admission"], s2r["return_rule"]) == ("off", "on")
+    assert (s2r["fill_reused"], s2r["host_rates"]) == ("off", "alone")
     assert d(s2, s2r, "reads") > 0 and 0 <= s2r["cache"]["return_rate"] <= 1
     assert with_return.status_code == 400 and "give one of them" in with_return.json()["error"]
     assert to_late.status_code == 200

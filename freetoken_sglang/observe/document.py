@@ -123,6 +123,9 @@ def stats_document(rt) -> Dict[str, object]:
             "F_H_us": rt.bandwidth.f_h_us,
             "B_P_beside": rt.bandwidth.b_p_beside,
             "B_H_beside": rt.bandwidth.b_h_beside,
+            # the q* split's q*/m (B_P/B_H, or B_P'/(B_P' + B_H') with the rates beside)
+            "split_ratio": pol.decode_split.fill_ratio
+            if pol is not None and pol.name == "qstar" else None,
         }
     if rt.counters is not None:
         out.update(rt.counters.snapshot())
