@@ -350,7 +350,8 @@ def test_resize_under_load_matches_stock_sglang(tiny_checkpoint, tmp_path):
                                              '"fill_reused": "off"|"on"|"valued", and/or '
                                              '"return_rule": '
                                              '"off"|"on", '
-                                             '"late_fill": "off"|"on"|"all"')
+                                             '"late_fill": "off"|"on"|"all", '
+                                             '"host_rates": "alone"|"beside"')
     assert final["cache"]["slots"] == 24 and final["cache"]["resizes"] == len(SIZES)
     assert log.count("GPU expert cache resized (request)") == len(SIZES)
 
