@@ -231,11 +231,14 @@ def measure_beside(pool_banks: Dict[str, torch.Tensor],
     """
     got: Dict[str, object] = {}
     start = threading.Barrier(2, timeout=120)
+    # a new thread's current CUDA device is 0: the side thread takes the caller's
+    index = (device.index if device.index is not None else torch.cuda.current_device()
+             ) if device.type == "cuda" else None
 
     def fills():
         try:
-            if device.type == "cuda":  # a new thread's current device is 0
-                torch.cuda.set_device(device)
+            if index is not None:
+                torch.cuda.set_device(index)
             got["b_p"] = measure_fill(pool_banks, device_pool_banks, device, seconds=seconds,
                                       start=start)
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
