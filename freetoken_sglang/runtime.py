@@ -878,9 +878,10 @@ class FreeTokenRuntime:
         try:
             bw = self._resolve_bandwidth(beside=rates == "beside")
         except Exception as e:  # noqa: BLE001 - the server keeps serving its old policy
+            given = "B_P,B_H,F_P,F_H,B_P',B_H'" if rates == "beside" else "B_P,B_H"
             raise ValueError(
                 f"measuring B_P and B_H for qstar failed ({type(e).__name__}: {e}); start the "
-                "server with --freetoken-bandwidth B_P,B_H (python -m freetoken_sglang.profile "
+                f"server with --freetoken-bandwidth {given} (python -m freetoken_sglang.profile "
                 "measures them)") from e
         return MissPolicy("qstar", bw.split_rates(rates), bw.fixed_us, self.pool.expert_bytes,
                           admission=adm, fill_reused=reused, return_rule=ret, late_fill=late,

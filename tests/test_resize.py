@@ -483,13 +483,20 @@ def test_a_failed_bandwidth_measurement_refuses_the_change():
     from freetoken_sglang.miss_policy import MissPolicy
     from freetoken_sglang.runtime import FreeTokenRuntime
 
-    def fail():
+    asked = []
+
+    def fail(beside=False):
+        asked.append(beside)
         raise NotADirectoryError("/root/.cache/freetoken")
 
     rt = SimpleNamespace(policy=MissPolicy("cpu"), cpu_branch=object(), _resolve_bandwidth=fail,
                          pool=SimpleNamespace(expert_bytes=1024))
     with pytest.raises(ValueError, match="NotADirectoryError.*--freetoken-bandwidth B_P,B_H"):
         FreeTokenRuntime._policy_for(rt, "qstar", None, None)
+    with pytest.raises(ValueError, match="NotADirectoryError.*--freetoken-bandwidth "
+                                         "B_P,B_H,F_P,F_H,B_P',B_H' "):
+        FreeTokenRuntime._policy_for(rt, "qstar", None, None, host_rates="beside")
+    assert asked == [False, True]
     assert FreeTokenRuntime._policy_for(rt, "fill", None, None) == MissPolicy("fill")
     rt.cpu_branch = None  # a server started with fill
     with pytest.raises(ValueError, match="started without the CPU branch"):
