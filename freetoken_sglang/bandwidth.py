@@ -8,11 +8,13 @@ expert shape).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import platform
 import random
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -135,10 +137,18 @@ def store_cached(path: str, key: str, entry: Dict[str, object]) -> None:
         except (OSError, ValueError):
             data = {}
         data[key] = entry
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        # a file of this writer's own: servers starting together never replace the cache
+        # with each other's half-written one
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
+                                   dir=os.path.dirname(path))
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     except OSError as e:
         logger.warning("FreeToken: the bandwidth profile was not cached in %s (%s)", path, e)
 

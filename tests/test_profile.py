@@ -80,6 +80,20 @@ def test_resolve_prefers_flag_then_cache(tmp_path):
     assert got.fixed_us == (2.0, 9.0) and got.split_rates("beside") == (45.0, 135.0)
 
 
+def test_profile_cache_writers_use_their_own_temporary_files(tmp_path):
+    # two servers starting together each write the cache through a file of their own: a
+    # path another writer holds (here a directory in the old shared ``.tmp`` name's place)
+    # neither blocks the write nor is left behind by it
+    cache = str(tmp_path / "bandwidth.json")
+    (tmp_path / "bandwidth.json.tmp").mkdir()
+    bandwidth.store_cached(cache, "a", {"B_P": 1.0})
+    bandwidth.store_cached(cache, "b", {"B_P": 2.0})
+    assert json.loads((tmp_path / "bandwidth.json").read_text()) == {
+        "a": {"B_P": 1.0}, "b": {"B_P": 2.0}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bandwidth.json",
+                                                         "bandwidth.json.tmp"]
+
+
 def test_rates_beside_each_other_are_measured_at_once(monkeypatch):
     # measure_beside opens both timed windows together after each side's warm-up: a fill
     # side with a slow warm-up (a kernel compile) does not leave the executor's window alone
