@@ -28,7 +28,8 @@ from freetoken_sglang.cache.slots import (
 from freetoken_sglang.config import SERVER_ARGS_ATTR, FreeTokenConfig
 from freetoken_sglang.errors import RefusedError
 from freetoken_sglang.execute.choice import DECODE, EXTEND, ExecutorChoice, stream_min_rows
-from freetoken_sglang.miss_policy import SPLIT_MAX_TOKENS, MissPolicy
+from freetoken_sglang.miss_policy import (RULE_WORDS, SPLIT_MAX_TOKENS, MissPolicy,
+                                         PolicyWords)
 from freetoken_sglang.observe.counters import ExpertCounters
 from freetoken_sglang.experts.pool import GIB, BankSpec, HostExpertPool, pool_fits_host
 
@@ -472,21 +473,10 @@ class FreeTokenRuntime:
             mode="host-node" if self.backend == "cpu" else self.config.cpu_branch,
         )
         if name == "qstar":
-            self._resolve_bandwidth(beside=self.config.host_rates == "beside")
-            self.policy = MissPolicy(
-                "qstar",
-                self.bandwidth.split_rates(self.config.host_rates),
-                self.bandwidth.fixed_us,
-                self.pool.expert_bytes,
-                admission=self.config.admission != "off",
-                admit_useful=self.config.admission == "useful",
-                fill_reused=self.config.fill_reused != "off",
-                fill_reused_valued=self.config.fill_reused == "valued",
-                return_rule=self.config.return_rule == "on",
-                late_fill=self.config.late_fill != "off",
-                late_all=self.config.late_fill == "all",
-                host_rates=self.config.host_rates,
-            )
+            words = PolicyWords(**{key: getattr(self.config, key)
+                                   for key in ("miss_policy", *RULE_WORDS)})
+            bw = self._resolve_bandwidth(beside=words.host_rates == "beside")
+            self.policy = words.policy(bw, self.pool.expert_bytes)
         else:
             self.policy = MissPolicy("cpu")
 
@@ -721,8 +711,9 @@ class FreeTokenRuntime:
                                                    kept_experts, kept_fill_clocks)
 
         t0 = time.perf_counter()
-        policy_asked = (miss_policy, admission, fill_reused, return_rule,
-                        late_fill, host_rates) != (None,) * 6
+        change = PolicyWords(miss_policy, admission, fill_reused, return_rule, late_fill,
+                             host_rates)
+        policy_asked = change.given
         if self.cache is None or self.backend == "cpu" or not self.cache.num_slots:
             raise ValueError("--freetoken-backend cpu runs every routed expert on the CPU: it "
                              "has no GPU expert cache to resize" +
@@ -758,8 +749,7 @@ class FreeTokenRuntime:
                     f"{reserve / GIB:.2f} GiB SGLang's runtime keeps; ask for fewer slots"
                 )
         # after the size checks: a q* change may measure B_P and B_H (seconds) first
-        new_policy = (self._policy_for(miss_policy, admission, fill_reused, return_rule,
-                                       late_fill, host_rates) if policy_asked else None)
+        new_policy = self._policy_for(change) if policy_asked else None
         layout = self._plan_layout(new_slots)
         old_layout, old_slots = old.layout, old.num_slots
         # most recently used first
@@ -836,15 +826,10 @@ class FreeTokenRuntime:
                         old_policy.label, self.describe_policy())
         return report
 
-    def _policy_for(self, miss_policy: Optional[str], admission: Optional[str],
-                    fill_reused: Optional[str],
-                    return_rule: Optional[str] = None,
-                    late_fill: Optional[str] = None,
-                    host_rates: Optional[str] = None) -> MissPolicy:
-        """The miss policy a resize asks for (``resize_cache``): the rules default to off
-        with a new ``miss_policy``, to the current ones without. A change to ``qstar`` on a
-        server without B_P and B_H measures them now (``bandwidth.resolve``: the profile
-        cache, else a measurement of a few seconds).
+    def _policy_for(self, change: PolicyWords) -> MissPolicy:
+        """The miss policy a resize asks for (``resize_cache``), ``change.over`` the current
+        one. A change to ``qstar`` on a server without B_P and B_H measures them now
+        (``bandwidth.resolve``: the profile cache, else a measurement of a few seconds).
 
         Raises:
             ValueError: a policy that runs misses on the CPU on a server started without the
@@ -853,40 +838,24 @@ class FreeTokenRuntime:
                 beside each other where ``--freetoken-bandwidth`` leaves them out
                 (``Bandwidth.split_rates``).
         """
-        cur = self.policy
-        name = miss_policy or cur.name
-        keep = miss_policy is None
-        adm = admission != "off" if admission is not None else keep and cur.admission
-        useful = (admission == "useful" if admission is not None
-                  else keep and cur.admit_useful)
-        reused = fill_reused != "off" if fill_reused is not None else keep and cur.fill_reused
-        valued = (fill_reused == "valued" if fill_reused is not None
-                  else keep and cur.fill_reused_valued)
-        ret = return_rule == "on" if return_rule is not None else keep and cur.return_rule
-        late = late_fill != "off" if late_fill is not None else keep and cur.late_fill
-        late_all = late_fill == "all" if late_fill is not None else keep and cur.late_all
-        rates = host_rates or (cur.host_rates if keep else "alone")
+        words = change.over(self.policy)
+        name = words.miss_policy
         if name != "fill" and self.cpu_branch is None:
             raise ValueError(
                 f"the {name} miss policy runs misses on the CPU, and this server started "
                 "without the CPU branch (--freetoken-miss-policy fill): start it with "
                 "--freetoken-miss-policy qstar or cpu to change policies while serving")
         if name != "qstar":
-            return MissPolicy(name, admission=adm, fill_reused=reused, return_rule=ret,
-                              late_fill=late, late_all=late_all, admit_useful=useful,
-                              fill_reused_valued=valued, host_rates=rates)
+            return words.policy()
         try:
-            bw = self._resolve_bandwidth(beside=rates == "beside")
+            bw = self._resolve_bandwidth(beside=words.host_rates == "beside")
         except Exception as e:  # noqa: BLE001 - the server keeps serving its old policy
-            given = "B_P,B_H,F_P,F_H,B_P',B_H'" if rates == "beside" else "B_P,B_H"
+            given = "B_P,B_H,F_P,F_H,B_P',B_H'" if words.host_rates == "beside" else "B_P,B_H"
             raise ValueError(
                 f"measuring B_P and B_H for qstar failed ({type(e).__name__}: {e}); start the "
                 f"server with --freetoken-bandwidth {given} (python -m freetoken_sglang.profile "
                 "measures them)") from e
-        return MissPolicy("qstar", bw.split_rates(rates), bw.fixed_us, self.pool.expert_bytes,
-                          admission=adm, fill_reused=reused, return_rule=ret, late_fill=late,
-                          late_all=late_all, admit_useful=useful, fill_reused_valued=valued,
-                          host_rates=rates)
+        return words.policy(bw, self.pool.expert_bytes)
 
     def _set_policy(self, policy: MissPolicy) -> None:
         """Serve decode misses by ``policy`` from the next captured or eager forward (the

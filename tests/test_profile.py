@@ -251,6 +251,37 @@ def test_miss_policies():
         MissPolicy("qstar", (50.0, 150.0), (10.0, 20.0), 1, return_rule=True, late_fill=True)
 
 
+def test_policy_words_complete_and_build_a_change():
+    # a served change in the flags' words: a rule given alone keeps the current policy's other
+    # rules, a new miss_policy resets the rules it does not give; words <-> MissPolicy
+    from freetoken_sglang.miss_policy import PolicyWords
+
+    bw = bandwidth.Bandwidth(50.0, 150.0, "flag", 10.0, 20.0, 40.0, 80.0)
+    cand = PolicyWords("qstar", "useful", "valued", "off", "off", "beside").policy(bw, 1 << 20)
+    assert cand == MissPolicy("qstar", (40.0, 120.0), (10.0, 20.0), 1 << 20, admission=True,
+                              admit_useful=True, fill_reused=True, fill_reused_valued=True,
+                              host_rates="beside")
+    assert cand.words == PolicyWords("qstar", "useful", "valued", "off", "off", "beside")
+    assert PolicyWords(late_fill="all").over(cand) == PolicyWords(
+        "qstar", "useful", "valued", "off", "all", "beside")
+    assert PolicyWords("qstar", admission="reuse").over(cand) == PolicyWords(
+        "qstar", "reuse", "off", "off", "off", "alone")
+    assert PolicyWords("fill").over(cand).policy() == MissPolicy("fill")
+    for policy in (MissPolicy("fill"), MissPolicy("cpu"), cand,
+                   PolicyWords("qstar", "reuse", "on", "off", "all", "alone").policy(bw, 1)):
+        assert policy.words.policy(bw, policy.expert_bytes) == policy
+    assert not PolicyWords().given and PolicyWords(host_rates="alone").given
+    with pytest.raises(ValueError, match="late_fill must be one of"):
+        PolicyWords(late_fill="maybe")
+    with pytest.raises(ValueError, match=r"\['admission'"):
+        PolicyWords("qstar").policy(bw, 1)
+    with pytest.raises(ValueError, match="needs B_P and B_H"):
+        PolicyWords("qstar").over(MissPolicy("fill")).policy()
+    with pytest.raises(ValueError, match="B_P,B_H,F_P,F_H,B_P',B_H'"):  # beside not measured
+        PolicyWords("qstar", host_rates="beside").over(MissPolicy("fill")).policy(
+            bandwidth.Bandwidth(50.0, 150.0, "flag"), 1)
+
+
 def test_lone_miss_rule_from_measured_costs():
     # S = 10 MB: a fill takes 200 us at B_P = 50 GB/s; beside it the CPU reads at
     # B_H - B_P = 100 GB/s, 100 us per expert; F_H = 250 us, F_P = 10 us.

@@ -480,7 +480,7 @@ def test_a_failed_bandwidth_measurement_refuses_the_change():
     the serving loop answers 400 and keeps the old policy), whatever the measurement raised."""
     from types import SimpleNamespace
 
-    from freetoken_sglang.miss_policy import MissPolicy
+    from freetoken_sglang.miss_policy import MissPolicy, PolicyWords
     from freetoken_sglang.runtime import FreeTokenRuntime
 
     asked = []
@@ -492,12 +492,12 @@ def test_a_failed_bandwidth_measurement_refuses_the_change():
     rt = SimpleNamespace(policy=MissPolicy("cpu"), cpu_branch=object(), _resolve_bandwidth=fail,
                          pool=SimpleNamespace(expert_bytes=1024))
     with pytest.raises(ValueError, match="NotADirectoryError.*--freetoken-bandwidth B_P,B_H"):
-        FreeTokenRuntime._policy_for(rt, "qstar", None, None)
+        FreeTokenRuntime._policy_for(rt, PolicyWords("qstar"))
     with pytest.raises(ValueError, match="NotADirectoryError.*--freetoken-bandwidth "
                                          "B_P,B_H,F_P,F_H,B_P',B_H' "):
-        FreeTokenRuntime._policy_for(rt, "qstar", None, None, host_rates="beside")
+        FreeTokenRuntime._policy_for(rt, PolicyWords("qstar", host_rates="beside"))
     assert asked == [False, True]
-    assert FreeTokenRuntime._policy_for(rt, "fill", None, None) == MissPolicy("fill")
+    assert FreeTokenRuntime._policy_for(rt, PolicyWords("fill")) == MissPolicy("fill")
     rt.cpu_branch = None  # a server started with fill
     with pytest.raises(ValueError, match="started without the CPU branch"):
-        FreeTokenRuntime._policy_for(rt, "cpu", None, None)
+        FreeTokenRuntime._policy_for(rt, PolicyWords("cpu"))
