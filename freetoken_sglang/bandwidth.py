@@ -14,7 +14,6 @@ import logging
 import os
 import platform
 import random
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -137,12 +136,11 @@ def store_cached(path: str, key: str, entry: Dict[str, object]) -> None:
         except (OSError, ValueError):
             data = {}
         data[key] = entry
-        # a file of this writer's own: servers starting together never replace the cache
-        # with each other's half-written one
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
-                                   dir=os.path.dirname(path))
+        # a file of this writer's own (process and thread): servers starting together
+        # never replace the cache with each other's half-written one
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            with os.fdopen(fd, "w") as f:
+            with open(tmp, "w") as f:
                 json.dump(data, f, indent=1, sort_keys=True)
             os.replace(tmp, path)
         except BaseException:

@@ -109,9 +109,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 from freetoken_sglang.cache.residency import FILL_ALL, MissSplit
+
+if TYPE_CHECKING:
+    from freetoken_sglang.bandwidth import Bandwidth
 
 POLICIES = ("qstar", "fill", "cpu")
 
@@ -352,16 +355,18 @@ class PolicyWords:
         return any(getattr(self, f.name) is not None for f in dataclasses.fields(self))
 
     def over(self, current: "MissPolicy") -> "PolicyWords":
-        """Every word, for a change of ``current`` while serving: the given ones; the others
-        ``current``'s where no ``miss_policy`` is given (a rule given alone changes the
-        current policy's), their defaults (``RULE_WORDS``' first) with a new one."""
+        """Every word, for a change of ``current`` while serving. Given words win. Without
+        a ``miss_policy``, the others are ``current``'s (a rule given alone changes the
+        current policy's rules); with one, they are their flags' defaults (``RULE_WORDS``'
+        first)."""
         base = current.words if self.miss_policy is None else PolicyWords(self.miss_policy)
         return PolicyWords(**{
             f.name: next(w for w in (getattr(self, f.name), getattr(base, f.name),
                                      RULE_WORDS.get(f.name, (None,))[0]) if w is not None)
             for f in dataclasses.fields(self)})
 
-    def policy(self, bandwidth=None, expert_bytes: int = 0) -> "MissPolicy":
+    def policy(self, bandwidth: Optional["Bandwidth"] = None,
+               expert_bytes: int = 0) -> "MissPolicy":
         """The ``MissPolicy`` of these words (``over``'s, or every word given).
 
         Args:

@@ -704,8 +704,9 @@ class FreeTokenRuntime:
         Raises:
             ValueError: no GPU expert cache (``--freetoken-backend cpu``), both or neither of
                 ``slots`` and ``gb`` (and no policy), a size under top-k, or one that does not
-                fit in free device memory, or a policy this server cannot run
-                (``_policy_for``); the cache and the policy are then unchanged.
+                fit in free device memory, a policy word its flag does not list
+                (``PolicyWords``), or a policy this server cannot run (``_policy_for``); the
+                cache and the policy are then unchanged.
         """
         from freetoken_sglang.cache.resize import (ResizeReport, check_invariants,
                                                    kept_experts, kept_fill_clocks)

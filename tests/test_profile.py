@@ -80,7 +80,7 @@ def test_resolve_prefers_flag_then_cache(tmp_path):
     assert got.fixed_us == (2.0, 9.0) and got.split_rates("beside") == (45.0, 135.0)
 
 
-def test_profile_cache_writers_use_their_own_temporary_files(tmp_path):
+def test_profile_cache_writers_use_their_own_temporary_files(tmp_path, monkeypatch):
     # two servers starting together each write the cache through a file of their own: a
     # path another writer holds (here a directory in the old shared ``.tmp`` name's place)
     # neither blocks the write nor is left behind by it
@@ -92,6 +92,17 @@ def test_profile_cache_writers_use_their_own_temporary_files(tmp_path):
         "a": {"B_P": 1.0}, "b": {"B_P": 2.0}}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bandwidth.json",
                                                          "bandwidth.json.tmp"]
+    # a write that fails is logged and skipped, its temporary file removed
+    import os
+
+    def fail(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    bandwidth.store_cached(cache, "c", {"B_P": 3.0})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bandwidth.json",
+                                                         "bandwidth.json.tmp"]
+    assert "c" not in json.loads((tmp_path / "bandwidth.json").read_text())
 
 
 def test_rates_beside_each_other_are_measured_at_once(monkeypatch):
@@ -267,12 +278,17 @@ def test_policy_words_complete_and_build_a_change():
     assert PolicyWords("qstar", admission="reuse").over(cand) == PolicyWords(
         "qstar", "reuse", "off", "off", "off", "alone")
     assert PolicyWords("fill").over(cand).policy() == MissPolicy("fill")
-    for policy in (MissPolicy("fill"), MissPolicy("cpu"), cand,
-                   PolicyWords("qstar", "reuse", "on", "off", "all", "alone").policy(bw, 1)):
+    for words in (("qstar", "reuse", "on", "off", "all", "alone"),
+                  ("qstar", "off", "off", "on", "off", "alone"),
+                  ("qstar", "reuse", "off", "off", "on", "beside")):
+        assert PolicyWords(*words).policy(bw, 1).words == PolicyWords(*words)
+    for policy in (MissPolicy("fill"), MissPolicy("cpu"), cand):
         assert policy.words.policy(bw, policy.expert_bytes) == policy
     assert not PolicyWords().given and PolicyWords(host_rates="alone").given
     with pytest.raises(ValueError, match="late_fill must be one of"):
         PolicyWords(late_fill="maybe")
+    with pytest.raises(ValueError, match="miss policy must be one of"):
+        PolicyWords("auto")
     with pytest.raises(ValueError, match=r"\['admission'"):
         PolicyWords("qstar").policy(bw, 1)
     with pytest.raises(ValueError, match="needs B_P and B_H"):
