@@ -84,6 +84,17 @@ def _prefill_cpu(text: str) -> str:
 _prefill_cpu.metavar = "{off,auto,F}"
 
 
+# The words of each miss-policy rule's flag (``--freetoken-admission`` ...), the first its
+# default; ``miss_policy.PolicyWords`` and ``POST /freetoken/cache`` (``control.py``) read them.
+RULE_WORDS = {
+    "admission": ("off", "reuse", "useful"),
+    "fill_reused": ("off", "on", "valued"),
+    "return_rule": ("off", "on"),
+    "late_fill": ("off", "on", "all"),
+    "host_rates": ("alone", "beside"),
+}
+
+
 def _choice(*options):
     def parse(text: str) -> str:
         if text not in options:
@@ -181,7 +192,7 @@ class FreeTokenConfig:
     admission: str = field(
         default="off",
         metadata=dict(
-            type=_choice("off", "reuse", "useful"),
+            type=_choice(*RULE_WORDS["admission"]),
             help="With --freetoken-miss-policy qstar: reuse fills only misses whose last "
             "use is more recent than the least recently used slot's (an expert that would "
             "not have survived in the cache since its last use runs on the CPU instead and "
@@ -194,7 +205,7 @@ class FreeTokenConfig:
     fill_reused: str = field(
         default="off",
         metadata=dict(
-            type=_choice("off", "on", "valued"),
+            type=_choice(*RULE_WORDS["fill_reused"]),
             help="With --freetoken-miss-policy qstar: on fills every miss whose last use is "
             "more recent than the least recently used slot's (an expert the CPU served and "
             "routed to again within the cache's LRU age), counted in the call's q* fills "
@@ -210,7 +221,7 @@ class FreeTokenConfig:
     return_rule: str = field(
         default="off",
         metadata=dict(
-            type=_choice("off", "on"),
+            type=_choice(*RULE_WORDS["return_rule"]),
             help="With --freetoken-miss-policy qstar: on keeps a call's CPU experts on the "
             "CPU only where the time they save now exceeds the later fills of those that "
             "return (r, the measured share of misses used again within the cache's LRU age); "
@@ -220,7 +231,7 @@ class FreeTokenConfig:
     late_fill: str = field(
         default="off",
         metadata=dict(
-            type=_choice("off", "on", "all"),
+            type=_choice(*RULE_WORDS["late_fill"]),
             help="With --freetoken-miss-policy qstar: on runs the misses of a layer call that "
             "q* fills none of (with B_P/B_H near 1/3: a lone miss) on the CPU and fills them "
             "after the call, beside the GPU's work on the next layers, so the call does not "
@@ -269,7 +280,7 @@ class FreeTokenConfig:
     host_rates: str = field(
         default="alone",
         metadata=dict(
-            type=_choice("alone", "beside"),
+            type=_choice(*RULE_WORDS["host_rates"]),
             help="With --freetoken-miss-policy qstar, the rates its split reads: alone "
             "(default) B_P and B_H each measured alone, the CPU taking B_H - B_P beside a "
             "busy link as in the paper's Eq. 3 (q*/m = B_P/B_H); beside both measured while "

@@ -14,6 +14,8 @@ import math
 import random
 from typing import Mapping, Optional
 
+from freetoken_sglang.config import RULE_WORDS
+
 KEY_ID = "freetoken_resize_id"
 KEY_SLOTS = "freetoken_cache_slots"
 KEY_GB = "freetoken_cache_gb"
@@ -27,11 +29,11 @@ KEY_HOST_RATES = "freetoken_host_rates"
 # The policy keys of a body, their values, and the server_args key each travels as.
 POLICY_KEYS = {
     "miss_policy": (("fill", "qstar", "cpu"), KEY_POLICY),
-    "admission": (("off", "reuse", "useful"), KEY_ADMISSION),
-    "fill_reused": (("off", "on", "valued"), KEY_FILL_REUSED),
-    "return_rule": (("off", "on"), KEY_RETURN_RULE),
-    "late_fill": (("off", "on", "all"), KEY_LATE_FILL),
-    "host_rates": (("alone", "beside"), KEY_HOST_RATES),
+    "admission": (RULE_WORDS["admission"], KEY_ADMISSION),
+    "fill_reused": (RULE_WORDS["fill_reused"], KEY_FILL_REUSED),
+    "return_rule": (RULE_WORDS["return_rule"], KEY_RETURN_RULE),
+    "late_fill": (RULE_WORDS["late_fill"], KEY_LATE_FILL),
+    "host_rates": (RULE_WORDS["host_rates"], KEY_HOST_RATES),
 }
 BODIES = ('{"gb": G} or {"slots": N}, and/or {"miss_policy": "fill"|"qstar"|"cpu"} '
           'with "admission": "off"|"reuse"|"useful" and/or "fill_reused": "off"|"on"|"valued", '

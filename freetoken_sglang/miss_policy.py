@@ -112,20 +112,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Tuple
 
 from freetoken_sglang.cache.residency import FILL_ALL, MissSplit
+from freetoken_sglang.config import RULE_WORDS
 
 if TYPE_CHECKING:
     from freetoken_sglang.bandwidth import Bandwidth
 
 POLICIES = ("qstar", "fill", "cpu")
 
-# The words of each rule's flag (``--freetoken-admission`` ...), the first its default.
-RULE_WORDS = {
-    "admission": ("off", "reuse", "useful"),
-    "fill_reused": ("off", "on", "valued"),
-    "return_rule": ("off", "on"),
-    "late_fill": ("off", "on", "all"),
-    "host_rates": ("alone", "beside"),
-}
 
 # Layer calls with at most this many rows (decode steps, short prefills) split their misses.
 SPLIT_MAX_TOKENS = 64

@@ -25,11 +25,10 @@ from freetoken_sglang.cache.slots import (
     ExpertCache,
     resolve_num_slots,
 )
-from freetoken_sglang.config import SERVER_ARGS_ATTR, FreeTokenConfig
+from freetoken_sglang.config import RULE_WORDS, SERVER_ARGS_ATTR, FreeTokenConfig
 from freetoken_sglang.errors import RefusedError
 from freetoken_sglang.execute.choice import DECODE, EXTEND, ExecutorChoice, stream_min_rows
-from freetoken_sglang.miss_policy import (RULE_WORDS, SPLIT_MAX_TOKENS, MissPolicy,
-                                         PolicyWords)
+from freetoken_sglang.miss_policy import SPLIT_MAX_TOKENS, MissPolicy, PolicyWords
 from freetoken_sglang.observe.counters import ExpertCounters
 from freetoken_sglang.experts.pool import GIB, BankSpec, HostExpertPool, pool_fits_host
 
