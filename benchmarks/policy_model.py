@@ -6,7 +6,7 @@ Replays a trace's decode rows (``observe/routing_trace.py``; trace layers spread
 shape's MoE layers as ``--freetoken-replay-routing`` does; by default in the order
 ``bench_decode.py`` consumes them, ``run_bench_cell``, else ``bs`` consecutive rows per step,
 cycling) through the server's own decision (``cache.residency.decide_reference``, the kernel's
-tested reference) for each miss policy (``miss_policy.MissPolicy``). As ``bench_decode.py
+tested reference) for each miss policy (``policy.miss.MissPolicy``). As ``bench_decode.py
 --cache-ratios`` runs a server, the cache starts all resident and is shrunk to each ratio in
 turn (``cache/resize.py``), bs 1 then bs 4 at each, ``--warm-steps`` unmeasured steps first.
 Each layer call then costs, in microseconds,
@@ -18,7 +18,7 @@ Each layer call then costs, in microseconds,
                   and at B_H after them                              (0 if c = 0)
 
 or, where ``--bandwidth`` or ``--timing`` gives the rates beside each other too (six numbers,
-``bandwidth.measure_beside``), the fills at B_P' throughout a call with CPU work (B_P without)
+``policy.rates.measure_beside``), the fills at B_P' throughout a call with CPU work (B_P without)
 and the CPU at B_H' while the fills run, B_H after. A policy
 label ending in ``+beside`` decides with those rates (``--freetoken-host-rates beside``).
 
@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from freetoken_sglang.cache.residency import ResidencyState, decide_reference  # noqa: E402
 from freetoken_sglang.cache.resize import install, kept_experts, kept_fill_clocks  # noqa: E402
-from freetoken_sglang.miss_policy import MissPolicy  # noqa: E402
+from freetoken_sglang.policy.miss import MissPolicy  # noqa: E402
 from freetoken_sglang.observe.routing_replay import layer_map, ranked  # noqa: E402
 from freetoken_sglang.observe.routing_trace import RoutingTrace  # noqa: E402
 from servers import shape_config  # noqa: E402

@@ -57,7 +57,7 @@ Policies (``POLICIES``; ``EXTRA_POLICIES`` are available with ``--policies``):
   ``fills`` are decode fills; ``evictions`` include the entries borrowed for the buffers.
 
 * ``global-lru-admit`` (extra): ``global-lru`` with the server's admission rule
-  (``--freetoken-admission reuse``, ``freetoken_sglang/miss_policy.py``) on decode calls: a
+  (``--freetoken-admission reuse``, ``freetoken_sglang/policy/miss.py``) on decode calls: a
   miss is filled only if its last use (any call) is more recent than the least recently used
   slot's (after the call's hits are stamped; while a slot was never used, every miss); the
   other misses are served without entering the cache (on the CPU in the server). Every

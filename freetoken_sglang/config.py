@@ -46,7 +46,7 @@ _positive_int = _number(int, 1, True, "a whole number", "at least 1")
 
 
 def _bandwidth(text: str):
-    from freetoken_sglang.bandwidth import parse_flag
+    from freetoken_sglang.policy.rates import parse_flag
 
     try:
         return parse_flag(text)
@@ -85,7 +85,7 @@ _prefill_cpu.metavar = "{off,auto,F}"
 
 
 # The words of each miss-policy rule's flag (``--freetoken-admission`` ...), the first its
-# default; ``miss_policy.PolicyWords`` and ``POST /freetoken/cache`` (``control.py``) read them.
+# default; ``policy.words.PolicyWords`` and ``POST /freetoken/cache`` (``control.py``) read them.
 RULE_WORDS = {
     "admission": ("off", "reuse", "useful"),
     "fill_reused": ("off", "on", "valued"),

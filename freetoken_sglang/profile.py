@@ -5,8 +5,8 @@
 Reads only the model's config. B_P: pinned host-to-GPU fills of batches of experts, through
 the cache's own fill path; B_H: the C executor's decode-like calls on the same expert shape,
 over a scratch pool larger than the CPU caches; B_P' and B_H': both while the other runs
-(``bandwidth.measure_beside``, for ``--freetoken-host-rates beside``); F_P and F_H: the intercepts of each branch's
-time over its expert count (``bandwidth.measure_fill_fixed``, ``measure_executor_fixed``). The result goes to the JSON cache that
+(``policy.rates.measure_beside``, for ``--freetoken-host-rates beside``); F_P and F_H: the intercepts of each branch's
+time over its expert count (``policy.rates.measure_fill_fixed``, ``measure_executor_fixed``). The result goes to the JSON cache that
 ``--enable-freetoken`` servers read at start (``~/.cache/freetoken/bandwidth.json``), keyed by
 GPU, CPU, thread count and expert shape.
 """
@@ -19,8 +19,9 @@ import time
 
 import torch
 
-from freetoken_sglang import bandwidth, families
+from freetoken_sglang import families
 from freetoken_sglang.experts.pool import GIB, HostExpertPool, bank_specs_for_layer
+from freetoken_sglang.policy import rates
 
 
 def scratch_pool(hf_config, pool_gb: float) -> HostExpertPool:
@@ -48,7 +49,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--threads", type=int, default=None, help="executor threads (default: physical cores)")
     ap.add_argument("--pool-gb", type=float, default=4.0, help="scratch pool size (GiB)")
-    ap.add_argument("--cache", default=bandwidth.DEFAULT_CACHE)
+    ap.add_argument("--cache", default=rates.DEFAULT_CACHE)
     ap.add_argument("--trust-remote-code", action="store_true")
     a = ap.parse_args(argv)
     from transformers import AutoConfig
@@ -70,16 +71,16 @@ def main(argv=None) -> None:
     if device.type == "cuda" and not pool.pin():
         raise SystemExit(f"freetoken_sglang.profile: cannot pin the scratch pool ({pool.pin_error})")
     with CpuExpertExecutor(pool.banks, num_threads=a.threads) as ex:
-        b_p = bandwidth.measure_fill(pool.banks, pool.device_banks, device)
+        b_p = rates.measure_fill(pool.banks, pool.device_banks, device)
         hidden = int(families.text_config(hf_config).hidden_size)
         dtype = pool.specs["w13_weight"].dtype
-        b_h = bandwidth.measure_executor(ex, hidden, dtype, pool.expert_bytes)
-        b_pb, b_hb = bandwidth.measure_beside(pool.banks, pool.device_banks, device, ex,
-                                              hidden, dtype, pool.expert_bytes)
-        f_p = bandwidth.measure_fill_fixed(pool.banks, pool.device_banks, device)
-        f_h = bandwidth.measure_executor_fixed(ex, hidden, dtype)
-        shape = bandwidth.expert_shape(pool.specs["w13_weight"])
-        key = bandwidth.machine_key(device, ex.num_threads, shape, ex.isa)
+        b_h = rates.measure_executor(ex, hidden, dtype, pool.expert_bytes)
+        b_pb, b_hb = rates.measure_beside(pool.banks, pool.device_banks, device, ex,
+                                          hidden, dtype, pool.expert_bytes)
+        f_p = rates.measure_fill_fixed(pool.banks, pool.device_banks, device)
+        f_h = rates.measure_executor_fixed(ex, hidden, dtype)
+        shape = rates.expert_shape(pool.specs["w13_weight"])
+        key = rates.machine_key(device, ex.num_threads, shape, ex.isa)
         entry = {
             "B_P": b_p,
             "B_H": b_h,
@@ -92,7 +93,7 @@ def main(argv=None) -> None:
             "isa": ex.isa,
             "pool_gb": pool.nbytes / GIB,
         }
-    bandwidth.store_cached(a.cache, key, entry)
+    rates.store_cached(a.cache, key, entry)
     print(json.dumps({"key": key, **entry, "q_star_per_miss": b_p / b_h,
                       "q_star_per_miss_beside": b_pb / (b_pb + b_hb)}, indent=1))
 

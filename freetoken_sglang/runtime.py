@@ -28,7 +28,8 @@ from freetoken_sglang.cache.slots import (
 from freetoken_sglang.config import RULE_WORDS, SERVER_ARGS_ATTR, FreeTokenConfig
 from freetoken_sglang.errors import RefusedError
 from freetoken_sglang.execute.choice import DECODE, EXTEND, ExecutorChoice, stream_min_rows
-from freetoken_sglang.miss_policy import SPLIT_MAX_TOKENS, MissPolicy, PolicyWords
+from freetoken_sglang.policy.miss import SPLIT_MAX_TOKENS, MissPolicy
+from freetoken_sglang.policy.words import PolicyWords
 from freetoken_sglang.observe.counters import ExpertCounters
 from freetoken_sglang.experts.pool import GIB, BankSpec, HostExpertPool, pool_fits_host
 
@@ -415,8 +416,8 @@ class FreeTokenRuntime:
     def _start_cpu_side(self, max_tokens: int) -> None:
         """Start the C executor and the CPU branch when some misses run on the CPU, and
         resolve B_P / B_H for the q* policy."""
-        from freetoken_sglang import bandwidth
-        from freetoken_sglang.miss_policy import SPLIT_MAX_TOKENS
+        from freetoken_sglang.policy import rates
+        from freetoken_sglang.policy.miss import SPLIT_MAX_TOKENS
 
         name = "cpu" if self.backend == "cpu" else self.config.miss_policy
         prefill_cpu = self.backend == "gpu" and self.config.prefill_cpu != "off"
@@ -482,13 +483,13 @@ class FreeTokenRuntime:
     def _resolve_bandwidth(self, beside: bool = False):
         """B_P and B_H (and the fixed costs): the flag, the cached profile or a measurement;
         with ``beside``, B_P' and B_H' too where the flag does not leave them out
-        (``bandwidth.resolve``)."""
-        from freetoken_sglang import bandwidth
+        (``policy.rates.resolve``)."""
+        from freetoken_sglang.policy import rates
 
         lacks = (self.bandwidth is not None and beside and self.bandwidth.b_p_beside is None
                  and self.config.bandwidth is None)
         if self.bandwidth is None or lacks:
-            self.bandwidth = bandwidth.resolve(
+            self.bandwidth = rates.resolve(
                 self.config.bandwidth,
                 self.pool,
                 self.executor,
@@ -503,14 +504,14 @@ class FreeTokenRuntime:
         """The CPU share of streamed prefill (``execute/prefill_cpu.py``): the rule, from the
         flag's fraction or from B_P, B_H and the executor's measured cost per token, and the
         pinned buffers' owner."""
-        from freetoken_sglang import bandwidth
         from freetoken_sglang.execute.prefill_cpu import PrefillCpuPart
         from freetoken_sglang.execute.prefill_cpu_rule import PrefillCpuRule
+        from freetoken_sglang.policy import rates
 
         text = self.config.prefill_cpu
         if text == "auto":
             bw = self._resolve_bandwidth()
-            g = bandwidth.resolve_token_cost(
+            g = rates.resolve_token_cost(
                 self.pool, self.executor, self.device, self.pool.specs["w2_weight"].shape[0],
                 self.act_dtype)
             rule = PrefillCpuRule.balanced(
@@ -642,7 +643,7 @@ class FreeTokenRuntime:
     @staticmethod
     def is_decode_sized(num_tokens: int) -> bool:
         """Layer calls this small are counted as decode (they split their misses)."""
-        from freetoken_sglang.miss_policy import SPLIT_MAX_TOKENS
+        from freetoken_sglang.policy.miss import SPLIT_MAX_TOKENS
 
         return num_tokens <= SPLIT_MAX_TOKENS
 
@@ -829,7 +830,7 @@ class FreeTokenRuntime:
     def _policy_for(self, change: PolicyWords) -> MissPolicy:
         """The miss policy a resize asks for (``resize_cache``), ``change.over`` the current
         one. A change to ``qstar`` on a server without B_P and B_H measures them now
-        (``bandwidth.resolve``: the profile cache, else a measurement of a few seconds).
+        (``policy.rates.resolve``: the profile cache, else a measurement of a few seconds).
 
         Raises:
             ValueError: a policy that runs misses on the CPU on a server started without the

@@ -372,24 +372,24 @@ def test_streamed_prefill_with_a_cpu_share_matches_stock(borrow, published):
 def test_executor_token_cost_is_measured_once_and_cached(tmp_path):
     """g (us per token-expert item, for the auto rule) is the slope of a call's time over its
     tokens per expert, positive on a real executor, and stored with the machine's profile."""
-    from freetoken_sglang import bandwidth
     from freetoken_sglang.cpu.executor import CpuExpertExecutor
     from freetoken_sglang.experts.pool import HostExpertPool, bank_specs_for_layer
+    from freetoken_sglang.policy import rates
 
     pool = HostExpertPool(list(range(2)), 16, bank_specs_for_layer(256, 128, torch.bfloat16))
     for bank in pool.banks.values():
         bank.normal_()
     cache = str(tmp_path / "bw.json")
     with CpuExpertExecutor(pool.banks, num_threads=2) as cpu:
-        g = bandwidth.resolve_token_cost(pool, cpu, torch.device("cpu"), 256, torch.bfloat16,
-                                         cache_path=cache)
+        g = rates.resolve_token_cost(pool, cpu, torch.device("cpu"), 256, torch.bfloat16,
+                                     cache_path=cache)
         assert g > 0
-        key = bandwidth.machine_key(torch.device("cpu"), 2,
-                                    bandwidth.expert_shape(pool.specs["w13_weight"]), cpu.isa)
-        assert bandwidth.load_cached(cache, key) == {"G_H_us": g}
-        bandwidth.store_cached(cache, key, {"G_H_us": 1.5, "B_P": 1.0})
-        assert bandwidth.resolve_token_cost(pool, cpu, torch.device("cpu"), 256,
-                                            torch.bfloat16, cache_path=cache) == 1.5
+        key = rates.machine_key(torch.device("cpu"), 2,
+                                rates.expert_shape(pool.specs["w13_weight"]), cpu.isa)
+        assert rates.load_cached(cache, key) == {"G_H_us": g}
+        rates.store_cached(cache, key, {"G_H_us": 1.5, "B_P": 1.0})
+        assert rates.resolve_token_cost(pool, cpu, torch.device("cpu"), 256,
+                                        torch.bfloat16, cache_path=cache) == 1.5
 
 
 def test_waves_match_stock_and_leave_the_lru_alone(published):
@@ -492,7 +492,7 @@ def test_decode_runs_the_admission_rules_cpu_misses_at_any_bandwidth_ratio(b_h, 
     from freetoken_sglang.cpu.branch import CpuBranch
     from freetoken_sglang.cpu.executor import CpuExpertExecutor
     from freetoken_sglang.execute.decode import DecodeExecutor
-    from freetoken_sglang.miss_policy import MissPolicy
+    from freetoken_sglang.policy.miss import MissPolicy
 
     rt, pool, layers = _runtime(num_slots=E + 4)
     policy = MissPolicy("qstar", (20.0, b_h), admission=True)

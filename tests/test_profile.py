@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from freetoken_sglang import bandwidth
-from freetoken_sglang.miss_policy import SPLIT_MAX_TOKENS, MissPolicy
+from freetoken_sglang.policy import rates
+from freetoken_sglang.policy.miss import SPLIT_MAX_TOKENS, MissPolicy
 from freetoken_sglang.cache.residency import FILL_ALL, MissSplit
 
 
@@ -39,13 +39,13 @@ def test_profile_cli_measures_and_caches(tiny_checkpoint, tmp_path):
 
 
 def test_flag_parsing():
-    assert bandwidth.parse_flag("55, 90.5") == (55.0, 90.5)
-    assert bandwidth.parse_flag("55,90,4,0") == (55.0, 90.0, 4.0, 0.0)
-    assert bandwidth.parse_flag("55,90,4,0,50,80") == (55.0, 90.0, 4.0, 0.0, 50.0, 80.0)
+    assert rates.parse_flag("55, 90.5") == (55.0, 90.5)
+    assert rates.parse_flag("55,90,4,0") == (55.0, 90.0, 4.0, 0.0)
+    assert rates.parse_flag("55,90,4,0,50,80") == (55.0, 90.0, 4.0, 0.0, 50.0, 80.0)
     for bad in ("55", "a,b", "0,4", "1,2,3", "-1,4", "5,9,-1,2", "1,2,3,4,5", "1,2,3,4,0,5",
                 "1,2,3,4,5,0", "1,2,3,4,5,6,7"):
         with pytest.raises(ValueError, match="B_P,B_H"):
-            bandwidth.parse_flag(bad)
+            rates.parse_flag(bad)
 
 
 def test_resolve_prefers_flag_then_cache(tmp_path):
@@ -57,25 +57,25 @@ def test_resolve_prefers_flag_then_cache(tmp_path):
         isa = "avx2"
 
     cache = str(tmp_path / "bw.json")
-    got = bandwidth.resolve((10.0, 40.0), Pool(), Executor(), torch.device("cpu"), 4,
-                            torch.bfloat16, cache)
+    got = rates.resolve((10.0, 40.0), Pool(), Executor(), torch.device("cpu"), 4,
+                        torch.bfloat16, cache)
     assert (got.b_p, got.b_h, got.ratio) == (10.0, 40.0, 0.25) and "flag" in got.source
     assert got.fixed_us is None  # a flag without fixed costs: no lone-miss rule
-    got = bandwidth.resolve((10.0, 40.0, 3.0, 20.0), Pool(), Executor(), torch.device("cpu"),
-                            4, torch.bfloat16, cache)
+    got = rates.resolve((10.0, 40.0, 3.0, 20.0), Pool(), Executor(), torch.device("cpu"),
+                        4, torch.bfloat16, cache)
     assert got.fixed_us == (3.0, 20.0)
-    key = bandwidth.machine_key(torch.device("cpu"), 3, "8x4:bfloat16", "avx2")
+    key = rates.machine_key(torch.device("cpu"), 3, "8x4:bfloat16", "avx2")
     assert got.split_rates("alone") == (10.0, 40.0)
     with pytest.raises(ValueError, match="B_P,B_H,F_P,F_H,B_P',B_H'"):
         got.split_rates("beside")  # a flag without the rates beside each other
-    got = bandwidth.resolve((10.0, 40.0, 3.0, 20.0, 8.0, 30.0), Pool(), Executor(),
-                            torch.device("cpu"), 4, torch.bfloat16, cache)
+    got = rates.resolve((10.0, 40.0, 3.0, 20.0, 8.0, 30.0), Pool(), Executor(),
+                        torch.device("cpu"), 4, torch.bfloat16, cache)
     assert (got.b_p_beside, got.b_h_beside) == (8.0, 30.0)
     assert got.split_rates("beside") == (8.0, 38.0)  # (B_P', B_P' + B_H')
-    bandwidth.store_cached(cache, key, {"B_P": 50.0, "B_H": 100.0, "F_P_us": 2.0,
-                                        "F_H_us": 9.0, "B_P_beside": 45.0,
-                                        "B_H_beside": 90.0})
-    got = bandwidth.resolve(None, Pool(), Executor(), torch.device("cpu"), 4, torch.bfloat16, cache)
+    rates.store_cached(cache, key, {"B_P": 50.0, "B_H": 100.0, "F_P_us": 2.0,
+                                    "F_H_us": 9.0, "B_P_beside": 45.0,
+                                    "B_H_beside": 90.0})
+    got = rates.resolve(None, Pool(), Executor(), torch.device("cpu"), 4, torch.bfloat16, cache)
     assert (got.b_p, got.b_h) == (50.0, 100.0) and got.source == f"cache {cache}"
     assert got.fixed_us == (2.0, 9.0) and got.split_rates("beside") == (45.0, 135.0)
 
@@ -86,8 +86,8 @@ def test_profile_cache_writers_use_their_own_temporary_files(tmp_path, monkeypat
     # neither blocks the write nor is left behind by it
     cache = str(tmp_path / "bandwidth.json")
     (tmp_path / "bandwidth.json.tmp").mkdir()
-    bandwidth.store_cached(cache, "a", {"B_P": 1.0})
-    bandwidth.store_cached(cache, "b", {"B_P": 2.0})
+    rates.store_cached(cache, "a", {"B_P": 1.0})
+    rates.store_cached(cache, "b", {"B_P": 2.0})
     assert json.loads((tmp_path / "bandwidth.json").read_text()) == {
         "a": {"B_P": 1.0}, "b": {"B_P": 2.0}}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bandwidth.json",
@@ -99,7 +99,7 @@ def test_profile_cache_writers_use_their_own_temporary_files(tmp_path, monkeypat
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", fail)
-    bandwidth.store_cached(cache, "c", {"B_P": 3.0})
+    rates.store_cached(cache, "c", {"B_P": 3.0})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bandwidth.json",
                                                          "bandwidth.json.tmp"]
     assert "c" not in json.loads((tmp_path / "bandwidth.json").read_text())
@@ -123,24 +123,24 @@ def test_rates_beside_each_other_are_measured_at_once(monkeypatch):
         t["cpu"] = time.perf_counter()
         return 70.0
 
-    monkeypatch.setattr(bandwidth, "measure_fill", fill)
-    monkeypatch.setattr(bandwidth, "measure_executor", executor)
-    got = bandwidth.measure_beside({}, {}, torch.device("cpu"), None, 4, torch.float32, 1,
-                                   seconds=0.05)
+    monkeypatch.setattr(rates, "measure_fill", fill)
+    monkeypatch.setattr(rates, "measure_executor", executor)
+    got = rates.measure_beside({}, {}, torch.device("cpu"), None, 4, torch.float32, 1,
+                               seconds=0.05)
     assert got == (7.0, 70.0) and abs(t["fill"] - t["cpu"]) < 0.1
 
     # a failed side raises its own error on the caller's thread, and the other side stops
     def broken(*a, **k):
         raise RuntimeError("no fills")
 
-    monkeypatch.setattr(bandwidth, "measure_fill", broken)
+    monkeypatch.setattr(rates, "measure_fill", broken)
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="no fills"):
-        bandwidth.measure_beside({}, {}, torch.device("cpu"), None, 4, torch.float32, 1)
-    monkeypatch.setattr(bandwidth, "measure_fill", fill)
-    monkeypatch.setattr(bandwidth, "measure_executor", lambda *a, **k: 1 / 0)
+        rates.measure_beside({}, {}, torch.device("cpu"), None, 4, torch.float32, 1)
+    monkeypatch.setattr(rates, "measure_fill", fill)
+    monkeypatch.setattr(rates, "measure_executor", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        bandwidth.measure_beside({}, {}, torch.device("cpu"), None, 4, torch.float32, 1)
+        rates.measure_beside({}, {}, torch.device("cpu"), None, 4, torch.float32, 1)
     assert time.perf_counter() - t0 < 10
 
 
@@ -155,32 +155,32 @@ def test_a_cached_profile_gets_the_rates_beside_when_asked(monkeypatch, tmp_path
         isa = "avx2"
 
     cache = str(tmp_path / "bw.json")
-    key = bandwidth.machine_key(torch.device("cpu"), 3, "8x4:bfloat16", "avx2")
-    bandwidth.store_cached(cache, key, {"B_P": 50.0, "B_H": 100.0, "F_P_us": 2.0,
-                                        "F_H_us": 9.0})
+    key = rates.machine_key(torch.device("cpu"), 3, "8x4:bfloat16", "avx2")
+    rates.store_cached(cache, key, {"B_P": 50.0, "B_H": 100.0, "F_P_us": 2.0,
+                                    "F_H_us": 9.0})
     calls = []
-    monkeypatch.setattr(bandwidth, "measure_beside",
+    monkeypatch.setattr(rates, "measure_beside",
                         lambda *a, **k: calls.append(a) or (40.0, 80.0))
-    got = bandwidth.resolve(None, Pool(), Executor(), torch.device("cpu"), 4, torch.bfloat16,
-                            cache)  # the paper's rates: nothing measured
+    got = rates.resolve(None, Pool(), Executor(), torch.device("cpu"), 4, torch.bfloat16,
+                        cache)  # the paper's rates: nothing measured
     assert not calls and got.b_p_beside is None
-    got = bandwidth.resolve(None, Pool(), Executor(), torch.device("cpu"), 4, torch.bfloat16,
-                            cache, beside=True)
+    got = rates.resolve(None, Pool(), Executor(), torch.device("cpu"), 4, torch.bfloat16,
+                        cache, beside=True)
     assert len(calls) == 1 and got.split_rates("beside") == (40.0, 120.0)
     assert (got.b_p, got.b_h, got.fixed_us) == (50.0, 100.0, (2.0, 9.0))
-    stored = bandwidth.load_cached(cache, key)
+    stored = rates.load_cached(cache, key)
     assert stored["B_H_beside"] == 80.0 and stored["F_H_us"] == 9.0 and stored[
         "beside_measured_at"]
     for need in (False, True):  # stored: not measured again
-        got = bandwidth.resolve(None, Pool(), Executor(), torch.device("cpu"), 4,
-                                torch.bfloat16, cache, beside=need)
+        got = rates.resolve(None, Pool(), Executor(), torch.device("cpu"), 4,
+                            torch.bfloat16, cache, beside=need)
         assert len(calls) == 1 and (got.b_p_beside, got.b_h_beside) == (40.0, 80.0)
 
 
 def test_intercept_of_two_sizes():
-    assert bandwidth.intercept(1, 30.0, 4, 60.0) == pytest.approx(20.0)  # 20 + 10 n
-    assert bandwidth.intercept(1, 10.0, 8, 80.0) == 0.0  # no fixed cost
-    assert bandwidth.intercept(1, 10.0, 8, 100.0) == 0.0  # noise below zero: none
+    assert rates.intercept(1, 30.0, 4, 60.0) == pytest.approx(20.0)  # 20 + 10 n
+    assert rates.intercept(1, 10.0, 8, 80.0) == 0.0  # no fixed cost
+    assert rates.intercept(1, 10.0, 8, 100.0) == 0.0  # noise below zero: none
 
 
 def test_miss_policies():
@@ -265,9 +265,9 @@ def test_miss_policies():
 def test_policy_words_complete_and_build_a_change():
     # a served change in the flags' words: a rule given alone keeps the current policy's other
     # rules, a new miss_policy resets the rules it does not give; words <-> MissPolicy
-    from freetoken_sglang.miss_policy import PolicyWords
+    from freetoken_sglang.policy.words import PolicyWords
 
-    bw = bandwidth.Bandwidth(50.0, 150.0, "flag", 10.0, 20.0, 40.0, 80.0)
+    bw = rates.Bandwidth(50.0, 150.0, "flag", 10.0, 20.0, 40.0, 80.0)
     cand = PolicyWords("qstar", "useful", "valued", "off", "off", "beside").policy(bw, 1 << 20)
     assert cand == MissPolicy("qstar", (40.0, 120.0), (10.0, 20.0), 1 << 20, admission=True,
                               admit_useful=True, fill_reused=True, fill_reused_valued=True,
@@ -295,7 +295,7 @@ def test_policy_words_complete_and_build_a_change():
         PolicyWords("qstar").over(MissPolicy("fill")).policy()
     with pytest.raises(ValueError, match="B_P,B_H,F_P,F_H,B_P',B_H'"):  # beside not measured
         PolicyWords("qstar", host_rates="beside").over(MissPolicy("fill")).policy(
-            bandwidth.Bandwidth(50.0, 150.0, "flag"), 1)
+            rates.Bandwidth(50.0, 150.0, "flag"), 1)
 
 
 def test_lone_miss_rule_from_measured_costs():
@@ -332,7 +332,7 @@ def test_host_rates_beside_balance_the_measured_rates():
     # rate beside the fills is B_H' (the lone-miss rule's per-expert time); the valued re-miss
     # rule's B_H/B_P - 1 becomes B_H'/B_P' = 3
     S = 9_000_000
-    bw = bandwidth.Bandwidth(40.0, 100.0, "flag", 10.0, 20.0, 30.0, 90.0)
+    bw = rates.Bandwidth(40.0, 100.0, "flag", 10.0, 20.0, 30.0, 90.0)
     beside = MissPolicy("qstar", bw.split_rates("beside"), bw.fixed_us, S, admission=True,
                         fill_reused=True, fill_reused_valued=True, host_rates="beside")
     split = beside.decode_split
@@ -344,7 +344,7 @@ def test_host_rates_beside_balance_the_measured_rates():
     assert "reach B_H'/B_P' = 3.00" in beside.describe()
     # where the measured rates are what Eq. 3 assumes (B_H' = B_H - B_P, B_P' = B_P), the
     # split is the paper's
-    paper = bandwidth.Bandwidth(40.0, 100.0, "flag", 10.0, 20.0, 40.0, 60.0)
+    paper = rates.Bandwidth(40.0, 100.0, "flag", 10.0, 20.0, 40.0, 60.0)
     assert (MissPolicy("qstar", paper.split_rates("beside"), paper.fixed_us, S).decode_split
             == MissPolicy("qstar", paper.split_rates("alone"), paper.fixed_us, S).decode_split)
     with pytest.raises(ValueError, match="need the qstar miss policy"):

@@ -19,7 +19,7 @@ from freetoken_sglang.cache.resize import (check_invariants, install, kept_exper
                                            min_free_target, resize_allowance,
                                            runtime_reserve, shrink_floor)
 from freetoken_sglang.control import KEY_ID, from_args, parse_body, to_args
-from freetoken_sglang.miss_policy import POLICIES
+from freetoken_sglang.policy.miss import POLICIES
 from test_e2e_families import _top2, assert_same_tokens
 
 
@@ -480,7 +480,8 @@ def test_a_failed_bandwidth_measurement_refuses_the_change():
     the serving loop answers 400 and keeps the old policy), whatever the measurement raised."""
     from types import SimpleNamespace
 
-    from freetoken_sglang.miss_policy import MissPolicy, PolicyWords
+    from freetoken_sglang.policy.miss import MissPolicy
+    from freetoken_sglang.policy.words import PolicyWords
     from freetoken_sglang.runtime import FreeTokenRuntime
 
     asked = []

@@ -88,7 +88,7 @@ class Filler:
 
 
 class LateFills:
-    """Fills that no compute of their layer call waits for (the late fill, ``miss_policy.py``):
+    """Fills that no compute of their layer call waits for (the late fill, ``policy/miss.py``):
     on CUDA each goes on a side stream forked from the current one after its decision, and the
     forward's last MoE layer call joins them (``join``), so a captured decode graph forks and
     joins inside itself; the next forward sees every slot filled. Without CUDA the copy runs

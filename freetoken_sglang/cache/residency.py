@@ -43,7 +43,7 @@ class MissSplit:
     run on the CPU. ``fill_ratio = B_P / B_H`` with ``min_fill = 1`` is the q* policy;
     ``(1, 0)`` fills every miss; ``(0, 0)`` runs every miss on the CPU.
 
-    With ``cpu_us > 0`` a cost check follows (the lone-miss rule, ``miss_policy.py``): the c
+    With ``cpu_us > 0`` a cost check follows (the lone-miss rule, ``policy/miss.py``): the c
     CPU experts stay on the CPU only if their branch ends before filling all m would,
     ``cpu_fixed_us + c * cpu_us < fill_fixed_us + m * fill_us``; otherwise every miss is
     filled. Times in microseconds: per expert over PCIe (``fill_us``) and on the CPU beside a
@@ -51,7 +51,7 @@ class MissSplit:
 
     A miss is *reused* when its last use is more recent than the least recently used slot's
     (every miss while a slot is empty). With ``fill_reused`` (the re-miss rule,
-    ``miss_policy.py``) every reused miss is filled and counts against the call's ``q``: of
+    ``policy/miss.py``) every reused miss is filled and counts against the call's ``q``: of
     ``m`` misses with ``f`` reused, ``max(f, q)`` are filled (the other misses in expert order
     fill the rest of ``q``), and the cost check weighs the ``m - max(f, q)`` CPU experts
     (``fill_count_after``). With ``admit_reuse`` (the admission rule) only reused misses may be
@@ -70,13 +70,13 @@ class MissSplit:
     is the same as ``fill_reused`` alone where ``fill_ratio >= 1/2``: a reused miss's LRU age
     always exceeds the time since its last use.
 
-    With ``return_rule`` (``miss_policy.py``) the c CPU experts left after the above stay on
+    With ``return_rule`` (``policy/miss.py``) the c CPU experts left after the above stay on
     the CPU only if the time they save now exceeds the fills they are expected to cost later
     (``keeps_cpu``), with ``r`` the measured rate at which missed experts are used again
     within the cache's LRU age (``ResidencyState.returns``); otherwise every miss is
     filled.
 
-    With ``late_fill`` (the late fill, ``miss_policy.py``) a call whose split fills none of
+    With ``late_fill`` (the late fill, ``policy/miss.py``) a call whose split fills none of
     its misses (``q = 0`` after every rule, and ``fill_count(m) = 0``) runs them all on the
     CPU and also plans their fills into LRU victims, which the executor carries out *after*
     the call, beside the GPU's work (``LayerDecision.late``): the call does not wait for
@@ -349,7 +349,7 @@ def keeps_cpu(q: torch.Tensor, m: torch.Tensor, rate: torch.Tensor,
     """The return rule (``MissSplit.return_rule``): whether a call's ``c = m - q`` CPU experts
     (``q`` fills of ``m`` misses) stay on the CPU. They save, now, ``T_fill(m) - max(T_fill(q),
     T_cpu(c))`` = ``min(c S/B_P [+ F_P if q = 0], F_P + m S/B_P - F_H - c S/(B_H - B_P))`` (the
-    branch times of ``miss_policy.py``), and are expected to cost ``rate * c`` later fills of
+    branch times of ``policy/miss.py``), and are expected to cost ``rate * c`` later fills of
     ``S/B_P`` each (the returning ones miss again): they stay where the saving is larger.
     bool tensor; fp32 arithmetic as in the decision kernel; True where ``c = 0``."""
     q, m = q.float(), m.float()

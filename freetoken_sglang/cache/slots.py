@@ -137,7 +137,7 @@ class ExpertCache:
         self.residency = ResidencyState(pool.num_rows, layout.lru_slots, device)
         # No slot (the pure-CPU backend): nothing is ever filled.
         self.filler = Filler(pool.banks, pool.device_banks, self.slot_banks) if num_slots else None
-        # the late fill's copies (miss_policy.py), joined by the forward's last MoE layer call
+        # the late fill's copies (policy/miss.py), joined by the forward's last MoE layer call
         self.late = LateFills(self.filler) if self.filler is not None else None
         self.all_resident = layout.kind == RESIDENT
         if self.all_resident:

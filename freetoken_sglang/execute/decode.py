@@ -55,7 +55,7 @@ CPU_ENTRIES_READ_NULL_SLOT = True
 class DecodeExecutor:
     """Hits run from their slots; of the m misses, q are filled into LRU victims and run on
     the GPU, the rest run on the CPU at the same time; the partial outputs are merged. With
-    the late fill (``miss_policy.py``) a call that fills none of its misses also fills them
+    the late fill (``policy/miss.py``) a call that fills none of its misses also fills them
     after the call (``cache.late``, joined by the forward's last MoE layer).
 
     Args:

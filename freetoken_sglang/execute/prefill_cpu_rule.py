@@ -15,7 +15,7 @@ prefill chunks give the CPU little and short re-prefills (agent turns) much:
 
 ``S / (B_H - B_P)`` is Eq. 3's read time with PCIe fills drawing host-memory bandwidth at the
 same time, and ``g`` the executor's compute time per (token, expert) item, measured on the
-model's expert shape at start (``bandwidth.measure_executor_tokens``). While serving, ``p``
+model's expert shape at start (``policy.rates.measure_executor_tokens``). While serving, ``p``
 and ``g`` follow what the streamed copies and the CPU runs take (``calibrated``): the
 streamed copies run at the copy engine's rate rather than the fill kernels' B_P, and the
 executor computes slower beside the PCIe traffic than alone. Nothing is tuned. Which

@@ -20,7 +20,7 @@ PHASES = ("decode", "prefill")
 class ExpertCounters:
     """int64 ``counts[phase, 5, L]``: per phase and MoE layer, since start (or the last reset).
     The phase is ``decode`` for layer calls small enough to split their misses
-    (``miss_policy.SPLIT_MAX_TOKENS`` rows: decode steps, short prefills) and ``prefill`` for
+    (``policy.miss.SPLIT_MAX_TOKENS`` rows: decode steps, short prefills) and ``prefill`` for
     the rest. Fields:
 
     - ``reads``: unique routed experts of the layer calls (hits + fills + cpu; an expert

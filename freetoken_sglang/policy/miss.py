@@ -15,7 +15,7 @@ lone CPU expert can cost more than its fill. With the paper's own branch times (
 ``T_fill(q) = F_P + q S / B_P`` and ``T_cpu(c) = F_H + c S / (B_H - B_P)``, the split keeps its
 ``c = m - q`` CPU experts only if ``T_cpu(c) < T_fill(m)``, i.e. the CPU branch ends before
 filling all ``m`` would; otherwise all ``m`` are filled. ``S`` is one expert's bytes; every
-term is measured (``bandwidth.py``), none tuned. Where ``B_H <= B_P`` the CPU has no residual
+term is measured (``rates.py``), none tuned. Where ``B_H <= B_P`` the CPU has no residual
 bandwidth and every miss is filled, as Eq. 4 degenerates (but for the misses the admission rule
 below does not admit: those run on the CPU at any B_P / B_H).
 
@@ -94,7 +94,7 @@ The host rates (``--freetoken-host-rates``): Eq. 3 takes the CPU's rate beside a
 be B_H - B_P, the host memory's rate less what the fills take. Measured on these hosts the two
 share it better (Session 25: 53.7 / 120.5 GB/s alone, 49.3 + 105.6 together), so the paper's
 split fills more than it balances. ``beside`` reads both rates measured while the other runs,
-B_P' and B_H' (``bandwidth.measure_beside``), as ``(B_P', B_P' + B_H')``: Eq. 3's CPU rate is
+B_P' and B_H' (``rates.measure_beside``), as ``(B_P', B_P' + B_H')``: Eq. 3's CPU rate is
 then B_H', Eq. 4 balances ``q / (m - q) = B_P' / B_H'``, and the lone-miss and valued re-miss
 rules weigh the same two (the lone-miss rule's "fill all m" too, at B_P', though no CPU work
 runs then: slightly long, so it leans to keeping the CPU experts). ``alone`` (default) is the
@@ -112,10 +112,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Tuple
 
 from freetoken_sglang.cache.residency import FILL_ALL, MissSplit
-from freetoken_sglang.config import RULE_WORDS
 
 if TYPE_CHECKING:
-    from freetoken_sglang.bandwidth import Bandwidth
+    from freetoken_sglang.policy.words import PolicyWords
 
 POLICIES = ("qstar", "fill", "cpu")
 
@@ -135,7 +134,7 @@ class MissPolicy:
         name: one of ``POLICIES``.
         bandwidth: ``(B_P, B_H)`` in GB/s (needed by ``qstar``).
         fixed_us: ``(F_P, F_H)``, the fill and CPU branches' fixed costs per layer call in
-            microseconds (``bandwidth.Bandwidth``); ``None``: unknown, no lone-miss rule.
+            microseconds (``rates.Bandwidth``); ``None``: unknown, no lone-miss rule.
         expert_bytes: S, one expert's bytes in the pool (needed with ``fixed_us``).
         admission: the admission rule (``qstar`` only).
         fill_reused: the re-miss rule (``qstar`` only).
@@ -146,7 +145,7 @@ class MissPolicy:
         fill_reused_valued: with ``fill_reused``, its valued form (``--freetoken-fill-reused
             valued``: ``MissSplit.fill_reused_valued``).
         host_rates: ``alone`` (the paper's) or ``beside``: which rates ``bandwidth`` holds
-            (``bandwidth.Bandwidth.split_rates``), for the description and the label.
+            (``rates.Bandwidth.split_rates``), for the description and the label.
 
     Raises:
         ValueError: unknown name, ``qstar`` without positive bandwidths, ``fixed_us`` or the
@@ -268,6 +267,8 @@ class MissPolicy:
     @property
     def words(self) -> "PolicyWords":
         """This policy in its flags' words (``PolicyWords``; every word given)."""
+        from freetoken_sglang.policy.words import PolicyWords
+
         return PolicyWords(
             self.name,
             admission=("useful" if self.admit_useful else "reuse") if self.admission else "off",
@@ -313,76 +314,3 @@ class MissPolicy:
                 if self.admission else "every miss filled: the CPU branch never ends first")
         return text + (f"; fixed costs F_P {f_p:.1f} us, F_H {f_h:.1f} us: lone-miss rule, "
                        f"{when})")
-
-
-@dataclass(frozen=True)
-class PolicyWords:
-    """A decode miss policy in its flags' words (``--freetoken-miss-policy`` and the
-    ``RULE_WORDS`` flags; ``POST /freetoken/cache``'s keys of the same names); None: not given.
-
-    ``over`` completes a change asked for while serving, ``policy`` builds the
-    ``MissPolicy``, and ``MissPolicy.words`` gives a policy's words back.
-
-    Raises:
-        ValueError: a word its flag does not list.
-    """
-
-    miss_policy: Optional[str] = None
-    admission: Optional[str] = None
-    fill_reused: Optional[str] = None
-    return_rule: Optional[str] = None
-    late_fill: Optional[str] = None
-    host_rates: Optional[str] = None
-
-    def __post_init__(self):
-        if self.miss_policy is not None and self.miss_policy not in POLICIES:
-            raise ValueError(f"miss policy must be one of {POLICIES}, got {self.miss_policy!r}")
-        for key, words in RULE_WORDS.items():
-            word = getattr(self, key)
-            if word is not None and word not in words:
-                raise ValueError(f"{key} must be one of {words}, got {word!r}")
-
-    @property
-    def given(self) -> bool:
-        """Whether any word is given."""
-        return any(getattr(self, f.name) is not None for f in dataclasses.fields(self))
-
-    def over(self, current: "MissPolicy") -> "PolicyWords":
-        """Every word, for a change of ``current`` while serving. Given words win. Without
-        a ``miss_policy``, the others are ``current``'s (a rule given alone changes the
-        current policy's rules); with one, they are their flags' defaults (``RULE_WORDS``'
-        first)."""
-        base = current.words if self.miss_policy is None else PolicyWords(self.miss_policy)
-        return PolicyWords(**{
-            f.name: next(w for w in (getattr(self, f.name), getattr(base, f.name),
-                                     RULE_WORDS.get(f.name, (None,))[0]) if w is not None)
-            for f in dataclasses.fields(self)})
-
-    def policy(self, bandwidth: Optional["Bandwidth"] = None,
-               expert_bytes: int = 0) -> "MissPolicy":
-        """The ``MissPolicy`` of these words (``over``'s, or every word given).
-
-        Args:
-            bandwidth: ``bandwidth.Bandwidth``, needed by ``qstar``: its split rates for
-                ``host_rates`` (``Bandwidth.split_rates``) and its fixed costs.
-            expert_bytes: S, one expert's bytes in the pool (with the fixed costs).
-
-        Raises:
-            ValueError: a word not given, ``qstar`` without ``bandwidth``, the host rates
-                beside each other that ``bandwidth`` lacks, or rules ``MissPolicy`` refuses.
-        """
-        missing = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is None]
-        if missing:
-            raise ValueError(f"a miss policy needs every word: {missing} not given")
-        rules = dict(
-            admission=self.admission != "off", admit_useful=self.admission == "useful",
-            fill_reused=self.fill_reused != "off",
-            fill_reused_valued=self.fill_reused == "valued",
-            return_rule=self.return_rule == "on", late_fill=self.late_fill != "off",
-            late_all=self.late_fill == "all", host_rates=self.host_rates)
-        if self.miss_policy != "qstar":
-            return MissPolicy(self.miss_policy, **rules)
-        if bandwidth is None:
-            raise ValueError("the qstar miss policy needs B_P and B_H (bandwidth.Bandwidth)")
-        return MissPolicy("qstar", bandwidth.split_rates(self.host_rates), bandwidth.fixed_us,
-                          expert_bytes, **rules)

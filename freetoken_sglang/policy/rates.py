@@ -2,7 +2,7 @@
 expert-fill bandwidth and the CPU executor's expert-processing bandwidth, both in GB/s on
 the model's real expert shape, each alone and both while the other runs (for
 ``--freetoken-host-rates beside``), and each branch's fixed cost per layer call (F_P, F_H, in
-us, for the lone-miss rule of ``miss_policy.py``), with a JSON cache per (GPU, CPU, threads,
+us, for the lone-miss rule of ``miss.py``), with a JSON cache per (GPU, CPU, threads,
 expert shape).
 """
 
@@ -37,7 +37,7 @@ class Bandwidth:
     b_h_beside: Optional[float] = None  # GB/s, the executor while fills run
 
     def split_rates(self, host_rates: str = "alone") -> Tuple[float, float]:
-        """``(B_P, B_H)`` for the q* split (``miss_policy.MissPolicy.bandwidth``). ``alone``:
+        """``(B_P, B_H)`` for the q* split (``miss.MissPolicy.bandwidth``). ``alone``:
         each rate measured alone, as the paper's Eq. 3 takes them (the CPU reading the host
         memory a busy link leaves, B_H - B_P). ``beside``: the rates measured while both run,
         ``(B_P', B_P' + B_H')``, so that Eq. 3's ``B_H - B_P`` is the CPU's measured B_H'
