@@ -1,5 +1,7 @@
-"""The decode miss policy: how a layer call's m missed experts are split between cache fills
-over PCIe and in-place CPU execution (paper §3.2, Eq. 1-4).
+"""The decode miss policy: how a layer call's misses split between cache fills and the CPU.
+
+Three policies split a layer call's m missed experts between cache fills over PCIe and
+in-place CPU execution (paper §3.2, Eq. 1-4):
 
 - ``qstar``: ``q* = round(m * B_P / B_H)`` fills, at least one, the rest on the CPU, unless
   the lone-miss rule below fills them all;
@@ -9,9 +11,13 @@ over PCIe and in-place CPU execution (paper §3.2, Eq. 1-4).
   ``--freetoken-prefill lru``; under streaming, the last layers' experts that borrowed
   buffers give back, and nothing with reserved buffers).
 
-The lone-miss rule (beyond Eq. 4, which has no fixed costs): the CPU branch pays a fixed cost
-``F_H`` per call with work (the executor's start and join, measured), so at high hit rates a
-lone CPU expert can cost more than its fill. With the paper's own branch times (Eq. 3),
+The rules below go beyond the paper. The lone-miss rule applies wherever ``qstar`` knows the
+branches' fixed costs; the others are flags, off by default (the host rates: ``alone``, the
+paper's). What each measured is in benchmarks/RESULTS.md.
+
+The lone-miss rule (Eq. 4 has no fixed costs): the CPU branch pays a fixed cost ``F_H`` per
+call with work (the executor's start and join, measured), so at high hit rates a lone CPU
+expert can cost more than its fill. With the paper's own branch times (Eq. 3),
 ``T_fill(q) = F_P + q S / B_P`` and ``T_cpu(c) = F_H + c S / (B_H - B_P)``, the split keeps its
 ``c = m - q`` CPU experts only if ``T_cpu(c) < T_fill(m)``, i.e. the CPU branch ends before
 filling all ``m`` would; otherwise all ``m`` are filled. ``S`` is one expert's bytes; every
@@ -19,29 +25,27 @@ term is measured (``rates.py``), none tuned. Where ``B_H <= B_P`` the CPU has no
 bandwidth and every miss is filled, as Eq. 4 degenerates (but for the misses the admission rule
 below does not admit: those run on the CPU at any B_P / B_H).
 
-The re-miss rule (``--freetoken-fill-reused on``, off by default; beyond the paper):
-an expert the CPU served is not in the cache, so when its routing repeats it misses again,
-and Eq. 4 weighs one call only. A miss is *reused* when its last use is more recent than the
-least recently used slot's: had it been filled then, it would still be resident, so it is
-filled now (with the useful admission below: only while the cache is calm). Each expert then
-runs on the CPU at most once per stay within the cache's LRU age. The threshold is the cache's
-own LRU age, not a tuned constant (``cache/residency.py``). The forced fills take their PCIe
-time out of Eq. 4's balance: of m misses with f reused, ``max(f, q*(m))`` are filled, the
-reused ones first, and the lone-miss rule weighs the CPU experts left. Off by default: with
-plain q* on trained routing 0.988 of fill at bs1 and 50% cache, 0.503 of cpu at bs4 and 10%
-(benchmarks/RESULTS.md, Session 37). Its valued form (``--freetoken-fill-reused valued``)
-forces a reused miss only where its expected uses before eviction, the LRU age over the time
-since its last use, reach B_H/B_P - 1 (a fill costs S/B_P; the CPU run it replaces and each
-later hit save about S/B_H); it is the same as ``on`` where B_P/B_H >= 1/2, since a reused
-miss's LRU age always exceeds the time since its last use. The reused misses it does not force
-are split like the others (with the admission rule: admitted, then split by q*).
+The re-miss rule (``--freetoken-fill-reused on``): an expert the CPU served is not in the
+cache, so when its routing repeats it misses again, and Eq. 4 weighs one call only. A miss is
+*reused* when its last use is more recent than the least recently used slot's: had it been
+filled then, it would still be resident, so it is filled now (with the useful admission
+below: only while the cache is calm). Each expert then runs on the CPU at most once per stay
+within the cache's LRU age. The threshold is the cache's own LRU age, not a tuned constant
+(``cache/residency.py``). The forced fills take their PCIe time out of Eq. 4's balance: of m
+misses with f reused, ``max(f, q*(m))`` are filled, the reused ones first, and the lone-miss
+rule weighs the CPU experts left. Its valued form (``--freetoken-fill-reused valued``) forces
+a reused miss only where its expected uses before eviction, the LRU age over the time since
+its last use, reach B_H/B_P - 1 (a fill costs S/B_P; the CPU run it replaces and each later
+hit save about S/B_H); it is the same as ``on`` where B_P/B_H >= 1/2, since a reused miss's
+LRU age always exceeds the time since its last use. The reused misses it does not force are
+split like the others (with the admission rule: admitted, then split by q*).
 
-The admission rule (``--freetoken-admission reuse``, beyond the paper): under thrash, LRU fills
-experts that are evicted before their next use. A miss is fillable only if its last use is
-more recent than the least recently used slot's: had it been admitted then, it would still be
-resident, so its reuse distance is within the cache's residency time. The others run on the
-CPU and the cache keeps what it has; q* still caps the fills. With the re-miss rule too (not
-its valued form), exactly the reused misses are filled and the others run on the CPU, whatever q* and the
+The admission rule (``--freetoken-admission reuse``): under thrash, LRU fills experts that are
+evicted before their next use. A miss is fillable only if its last use is more recent than
+the least recently used slot's: had it been admitted then, it would still be resident, so its
+reuse distance is within the cache's residency time. The others run on the CPU and the cache
+keeps what it has; q* still caps the fills. With the re-miss rule too (not its valued form),
+exactly the reused misses are filled and the others run on the CPU, whatever q* and the
 lone-miss rule say (the late fill may still fill a call's misses after it): a second use
 within the cache's LRU age admits an expert.
 In its useful form (``--freetoken-admission useful``) the rule is on only while the cache
@@ -51,58 +55,52 @@ admitted as without the rule; once that slot's fill went unused until it became 
 recently used, only reused misses are. The signal is the cache's own state, one comparison
 per call with misses, not a tuned constant. With the re-miss rule too, the reused misses are
 filled only while calm (the first state): under thrash a forced fill evicts another slot's
-unused fill, so there they are only admitted, q* splitting them. (Measured on trained routing
-before this gate, Session 37: the re-miss rule in every state changed the useful admission by
-+2.9% and +0.8% at bs1 with 50% and 25% cache, by -0.4% to -6.2% in the other four cells.)
+unused fill, so there they are only admitted, q* splitting them.
 
-The return rule (``--freetoken-return-rule on``, beyond the paper): Eq. 4 weighs one call, but
-an expert the CPU served stays out of the cache, and if its routing returns before the cache
-would have evicted it, it misses again and is filled then: its CPU run saved this call's fill
-only to pay it later. The cache measures r, the share of misses whose expert is used again
-within the LRU age (a hit, or a miss more recent than the least recently used slot), decayed
-over that age (``cache/residency.py``). A call's c CPU experts stay on the CPU only if the time
-they save now, ``T_fill(m) - max(T_fill(q), T_cpu(c))``, exceeds ``r c S / B_P``, the fills
-the returning ones cost later; otherwise all m are filled. At r = 1 (a cache that holds the
+The return rule (``--freetoken-return-rule on``): Eq. 4 weighs one call, but an expert the
+CPU served stays out of the cache, and if its routing returns before the cache would have
+evicted it, it misses again and is filled then: its CPU run saved this call's fill only to
+pay it later. The cache measures r, the share of misses whose expert is used again within the
+LRU age (a hit, or a miss more recent than the least recently used slot), decayed over that
+age (``cache/residency.py``). A call's c CPU experts stay on the CPU only if the time they
+save now, ``T_fill(m) - max(T_fill(q), T_cpu(c))``, exceeds ``r c S / B_P``, the fills the
+returning ones cost later; otherwise all m are filled. At r = 1 (a cache that holds the
 working set) the split can only tie, and every miss is filled; at r = 0 (thrash) it is the
 lone-miss rule. Every term is measured (the fixed costs too: it needs them); r starts at 0
 at every resize or policy change. It combines with the re-miss rule, not with the
 admission rule (whose first misses run on the CPU by design, and return when it works).
 
-The late fill (``--freetoken-late-fill on``, beyond the paper): Eq. 4 rounds a lone miss's
-q* to zero (``m B_P / B_H < 1/2``), and the paper then fills it anyway (at least one fill per
-call), so the call waits a whole fill, S / B_P, where the CPU would have taken about S / B_H;
-running it on the CPU instead leaves it out of the cache, and it misses again when its routing
-returns (Session 28: the bs1 loss). With the late fill, a call whose split fills none of its
-misses runs them all on the CPU and fills them *after* the call: the copies go on a side
-stream beside the GPU's work on the next layers, no compute of the step waits for them, and the
-step's last MoE layer joins them. The call pays the CPU branch, the cache still learns the
-expert. In this form (``on``) only calls with no fill of their own fill late (with B_P / B_H
-near 1/3: one miss), so at bs1 the late copies of a step add at most one expert per MoE layer
-to the link, never more than ``fill`` would have moved in those calls. q* drops the paper's at-least-one fill (its reason,
-that the cache learns, is met by the late fill). Combines with the admission and re-miss
-rules, not with the return rule (which weighs the later fills the late fill removes).
-Measured (benchmarks/RESULTS.md, Session 29): no bs1 gain, because the CPU runs of calls that
-do fill are still left out of the cache and miss again. ``--freetoken-late-fill all`` fills
-those late too (of those, the ones the admission rule admits, where it is on; a call that
-fills none of its misses still fills them all late, as under ``on``): the cache then learns
-every miss as under ``fill`` (every admitted one), while each call waits only for its own q*
-fills and CPU runs; the late copies share the link with later calls' fills. Measured
-(Session 30, trained routing): no bs1 gain either (0.96-0.99 of ``fill``); with the admission
-rule it wins bs4 at 50% (1.41x ``fill``) and loses bs1 at 10% (0.59x admission alone).
+The late fill (``--freetoken-late-fill on``): Eq. 4 rounds a lone miss's q* to zero
+(``m B_P / B_H < 1/2``), and the paper then fills it anyway (at least one fill per call), so
+the call waits a whole fill, S / B_P, where the CPU would have taken about S / B_H; running it
+on the CPU instead leaves it out of the cache, and it misses again when its routing returns.
+With the late fill, a call whose split fills none of its misses runs them all on the CPU and
+fills them *after* the call: the copies go on a side stream beside the GPU's work on the next
+layers, no compute of the step waits for them, and the step's last MoE layer joins them. The
+call pays the CPU branch, the cache still learns the expert. In this form (``on``) only calls
+with no fill of their own fill late (with B_P / B_H near 1/3: one miss), so at bs1 the late
+copies of a step add at most one expert per MoE layer to the link, never more than ``fill``
+would have moved in those calls. q* drops the paper's at-least-one fill (its reason, that the
+cache learns, is met by the late fill). Combines with the admission and re-miss rules, not
+with the return rule (which weighs the later fills the late fill removes). The CPU runs of
+calls that do fill still stay out of the cache and miss again: ``--freetoken-late-fill all``
+fills those late too (of those, the ones the admission rule admits, where it is on; a call
+that fills none of its misses still fills them all late, as under ``on``): the cache then
+learns every miss as under ``fill`` (every admitted one), while each call waits only for its
+own q* fills and CPU runs; the late copies share the link with later calls' fills.
 
 The host rates (``--freetoken-host-rates``): Eq. 3 takes the CPU's rate beside a busy link to
-be B_H - B_P, the host memory's rate less what the fills take. Measured on these hosts the two
-share it better (Session 25: 53.7 / 120.5 GB/s alone, 49.3 + 105.6 together), so the paper's
-split fills more than it balances. ``beside`` reads both rates measured while the other runs,
-B_P' and B_H' (``rates.measure_beside``), as ``(B_P', B_P' + B_H')``: Eq. 3's CPU rate is
-then B_H', Eq. 4 balances ``q / (m - q) = B_P' / B_H'``, and the lone-miss and valued re-miss
-rules weigh the same two (the lone-miss rule's "fill all m" too, at B_P', though no CPU work
-runs then: slightly long, so it leans to keeping the CPU experts). ``alone`` (default) is the
-paper's.
+be B_H - B_P, the host memory's rate less what the fills take. Measured beside each other,
+the two can share it better than that, and the paper's split then fills more than it
+balances. ``beside`` reads both rates measured while the other runs, B_P' and B_H'
+(``rates.measure_beside``), as ``(B_P', B_P' + B_H')``: Eq. 3's CPU rate is then B_H', Eq. 4
+balances ``q / (m - q) = B_P' / B_H'``, and the lone-miss and valued re-miss rules weigh the
+same two (the lone-miss rule's "fill all m" too, at B_P', though no CPU work runs then:
+slightly long, so it leans to keeping the CPU experts). ``alone`` (default) is the paper's.
 
 Layer calls over more than ``SPLIT_MAX_TOKENS`` rows that reach the LRU (prefill chunks that
-do not stream, ``execute/choice.py``) fill every miss in all
-three policies; the decision is made from shapes alone, so captured graphs keep it.
+do not stream, ``execute/choice.py``) fill every miss in all three policies; the decision is
+made from shapes alone, so captured graphs keep it.
 """
 
 from __future__ import annotations
