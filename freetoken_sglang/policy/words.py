@@ -82,6 +82,6 @@ class PolicyWords:
         if self.miss_policy != "qstar":
             return MissPolicy(self.miss_policy, **rules)
         if bandwidth is None:
-            raise ValueError("the qstar miss policy needs B_P and B_H (bandwidth.Bandwidth)")
+            raise ValueError("the qstar miss policy needs B_P and B_H (policy.rates.Bandwidth)")
         return MissPolicy("qstar", bandwidth.split_rates(self.host_rates), bandwidth.fixed_us,
                           expert_bytes, **rules)
