@@ -416,7 +416,6 @@ class FreeTokenRuntime:
     def _start_cpu_side(self, max_tokens: int) -> None:
         """Start the C executor and the CPU branch when some misses run on the CPU, and
         resolve B_P / B_H for the q* policy."""
-        from freetoken_sglang.policy import rates
         from freetoken_sglang.policy.miss import SPLIT_MAX_TOKENS
 
         name = "cpu" if self.backend == "cpu" else self.config.miss_policy
