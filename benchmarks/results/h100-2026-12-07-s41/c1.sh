@@ -1,5 +1,4 @@
 # Session 41 call 1: DUMMY routing at 50/25% on one server from cpu: THEN fill, the candidate, the candidate with --freetoken-late-fill all (Session 39's next_c2.sh), then the all-hit layer call (next_c1.sh's first step) with the time left.
-# Needs _scratch/s31_common.sh (a copy of results/h100-2026-12-07-s35/s31_common.sh) and benchmarks/results moved aside to fit the carry (keep the W4 trace).
 source _scratch/s31_common.sh
 C=qstar,--freetoken-admission,useful,--freetoken-fill-reused,valued,--freetoken-host-rates,beside
 NO_STOCK=1 THEN="fill=fill cand=$C late=$C,--freetoken-late-fill,all" timeout 420 bash benchmarks/decode_matrix.sh $OUT/d 0.5,0.25 "" cpu > $OUT/d.log 2>&1; echo "rc=$? $SECONDS s" >> $OUT/d.log
